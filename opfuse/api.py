@@ -1,0 +1,213 @@
+"""The public entry points: compile, explain."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from . import structure
+from .capture import CaptureError, Captured, capture_module
+from .explain import count_kernels
+from .pipeline import CompiledGraph, Options, compile_graph, warn_once
+from .report import FusionReport
+
+
+class RecompileError(RuntimeError):
+    """Inputs differ from every compiled signature and recompiling is switched off."""
+
+
+@dataclass
+class _Entry:
+    captured: Captured
+    compiled: CompiledGraph
+
+
+def _as_args(example_inputs: Any) -> tuple[Any, ...]:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, list):
+        return tuple(example_inputs)
+    if isinstance(example_inputs, tuple):
+        return example_inputs
+    return (example_inputs,)
+
+
+def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
+    sig: list[Any] = []
+    for v in leaves:
+        if isinstance(v, torch.Tensor):
+            sig.append(("tensor", tuple(v.shape), tuple(v.stride()), v.dtype, str(v.device)))
+        else:
+            try:
+                hash(v)
+                sig.append(("value", type(v), v))
+            except TypeError:
+                sig.append(("value", type(v), repr(v)))
+    return tuple(sig)
+
+
+def _describe_mismatch(new: tuple[Any, ...], known: tuple[Any, ...]) -> str:
+    if len(new) != len(known):
+        return f"{len(new)} inputs, compiled for {len(known)}"
+    for k, (a, b) in enumerate(zip(new, known)):
+        if a == b:
+            continue
+        if a[0] == "tensor" and b[0] == "tensor":
+            for what, i in (("shape", 1), ("strides", 2), ("dtype", 3), ("device", 4)):
+                if a[i] != b[i]:
+                    return f"input {k} has {what} {_fmt(a[i])}, compiled for {_fmt(b[i])}"
+        return f"input {k} is {a[2]!r}, compiled for {b[2]!r}"
+    return "inputs differ"
+
+
+def _fmt(v: Any) -> str:
+    return str(list(v)) if isinstance(v, tuple) else str(v)
+
+
+class CompiledModule(torch.nn.Module):
+    """What `opfuse.compile` returns for a model in eval mode: computes what the model
+    computes with fused kernels. Parameters and buffers were frozen at compile time."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        options: Options,
+        recompile: bool,
+    ) -> None:
+        super().__init__()
+        # Not a registered submodule: .to()/.train() on this wrapper must not touch the
+        # caller's model.
+        self.__dict__["_model"] = model
+        self._options = options
+        self._recompile = recompile
+        self._entries: dict[tuple[Any, ...], _Entry] = {}
+        self._kw_order = list(kwargs)
+        self._lock = threading.Lock()
+        self._autograd: Any = None
+        self._first = self._compile(args, kwargs)
+
+    @property
+    def report(self) -> FusionReport:
+        """The FusionReport of the first compiled signature."""
+        return self._first.compiled.report
+
+    def _flat(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+        ordered = {k: kwargs[k] for k in self._kw_order if k in kwargs}
+        ordered.update({k: v for k, v in kwargs.items() if k not in ordered})
+        return pytree.tree_leaves((tuple(args), ordered))
+
+    def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Entry:
+        model = self.__dict__["_model"]
+        captured = capture_module(model, args, kwargs)
+        compiled = compile_graph(captured.graph, self._options, captured.eager_kernels)
+        entry = _Entry(captured, compiled)
+        self._entries[_signature(self._flat(args, kwargs))] = entry
+        return entry
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves((args, kwargs))
+        ):
+            return self._with_autograd(*args, **kwargs)
+        leaves = self._flat(args, kwargs)
+        sig = _signature(leaves)
+        entry = self._entries.get(sig)
+        if entry is None:
+            with self._lock:
+                entry = self._entries.get(sig)
+                if entry is None:
+                    if not self._recompile:
+                        known = next(iter(self._entries))
+                        raise RecompileError(
+                            f"opfuse: {_describe_mismatch(sig, known)}; recompiling is switched off"
+                        )
+                    entry = self._compile(args, kwargs)
+        cap = entry.captured
+        inputs = [
+            leaves[k] if role == "user" else cap.state[k] for role, k in cap.input_roles
+        ]
+        outs = entry.compiled(inputs)
+        user: list[Any] = []
+        for (role, k), v in zip(cap.output_roles, outs):
+            if role == "user":
+                user.append(v)
+            elif role == "input":
+                leaves[k].copy_(v)  # eager mutated this input in place
+            else:
+                cap.state[k].copy_(v)
+        assert cap.out_spec is not None
+        return structure.unflatten(cap.out_spec, user)
+
+    def _with_autograd(self, *args: Any, **kwargs: Any) -> Any:
+        """Inputs that require grad: eager semantics need autograd, which the frozen graph
+        does not record; run through the torch.compile backend instead."""
+        if self._autograd is None:
+            from .dynamo import opfuse_backend
+
+            self._autograd = torch.compile(self.__dict__["_model"], backend=opfuse_backend)
+        return self._autograd(*args, **kwargs)
+
+
+def compile(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    *,
+    example_kwargs: dict[str, Any] | None = None,
+    recompile: bool = True,
+    options: Options | None = None,
+) -> torch.nn.Module:
+    """Compile `model` for inputs like `example_inputs` (a tensor or a tuple of args).
+
+    In eval mode, parameters and buffers are frozen into the graph and a `CompiledModule`
+    is returned (its `.report` is the FusionReport). In training mode the model goes
+    through `torch.compile(backend="opfuse")`: forward and backward are both compiled.
+    The caller's module and tensors are never modified.
+    """
+    opts = options or Options()
+    if model.training:
+        from .dynamo import opfuse_backend
+
+        return torch.compile(model, backend=opfuse_backend)  # type: ignore[return-value]
+    args = _as_args(example_inputs)
+    kwargs = dict(example_kwargs or {})
+    try:
+        return CompiledModule(model, args, kwargs, opts, recompile)
+    except CaptureError as e:
+        warn_once(f"opfuse: {e}; compiling through torch.compile instead")
+    from .dynamo import opfuse_backend
+
+    return torch.compile(model, backend=opfuse_backend)  # type: ignore[return-value]
+
+
+def explain(
+    model: torch.nn.Module,
+    example_inputs: Any,
+    *,
+    example_kwargs: dict[str, Any] | None = None,
+    options: Options | None = None,
+) -> FusionReport:
+    """The FusionReport of compiling `model`: groups, patterns, folds, refusals."""
+    opts = options or Options()
+    args = _as_args(example_inputs)
+    kwargs = dict(example_kwargs or {})
+    if not model.training:
+        try:
+            captured = capture_module(model, args, kwargs)
+            return compile_graph(captured.graph, opts, captured.eager_kernels).report
+        except CaptureError as e:
+            warn_once(f"opfuse: {e}; explaining the torch.compile path instead")
+    from .dynamo import collect_reports
+
+    # Training mode runs the model once; a copy keeps the caller's running stats intact.
+    return collect_reports(copy.deepcopy(model), args, kwargs)
+
+
+__all__ = ["CompiledModule", "RecompileError", "compile", "count_kernels", "explain"]

@@ -1,0 +1,225 @@
+"""Compile generated C, cache the shared library on disk, load it.
+
+The cache lives in $OPFUSE_CACHE_DIR, else $XDG_CACHE_HOME/opfuse, else ~/.cache/opfuse,
+created 0700. A library is keyed by a hash of its source, the compiler's identity and the
+flags. Loading refuses a directory or file that another user can write (it would let them
+run code in this process) and checks the library against the digest written when it was
+built, so a truncated or corrupt file is rebuilt. Builds write to a temporary file and
+rename it into place, so two processes compiling the same kernels at once both succeed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import stat
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from .prelude import MVEC_235, MVEC_BASE, build_prelude
+
+
+class BuildError(RuntimeError):
+    """The C compiler is missing or rejected the generated source."""
+
+
+class UnsafeCacheError(BuildError):
+    """The cache directory or a cached file can be written by another user."""
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    cc: str
+    version: str
+    flags: tuple[str, ...]
+    libs: tuple[str, ...]
+    prelude: str
+
+    @property
+    def fingerprint(self) -> str:
+        return "\n".join([self.cc, self.version, *self.flags, *self.libs])
+
+
+_BASE_FLAGS = (
+    "-O3",
+    "-std=gnu11",
+    "-fPIC",
+    "-shared",
+    "-fopenmp",
+    # errno is never read; dropping it lets sqrt/exp vectorise. Not -ffast-math: NaN, Inf
+    # and signed zeros keep their IEEE meaning.
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fwrapv",  # integer overflow wraps, as in torch
+)
+
+
+def _run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+
+
+@functools.lru_cache(maxsize=8)
+def _probe(cc: str) -> Toolchain:
+    try:
+        out = _run([cc, "--version"], timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise BuildError(f"C compiler {cc!r} cannot run: {e}") from e
+    if out.returncode != 0:
+        raise BuildError(f"C compiler {cc!r} failed: {out.stderr.strip()[:200]}")
+    version = (out.stdout or out.stderr).splitlines()[0] if (out.stdout or out.stderr) else cc
+    flags = list(_BASE_FLAGS)
+    machine = platform.machine().lower()
+    if machine in ("x86_64", "amd64"):
+        flags.append("-march=native")
+        if _has_avx512():
+            # gcc defaults to 256-bit vectors on recent Intel parts; 512 is faster here.
+            flags.append("-mprefer-vector-width=512")
+    elif machine in ("aarch64", "arm64"):
+        flags.append("-mcpu=native")
+    mvec: tuple[str, ...] = ()
+    libs = ["-lm"]
+    if machine in ("x86_64", "amd64") and _glibc() >= (2, 22):
+        mvec = MVEC_BASE + (MVEC_235 if _glibc() >= (2, 35) else ())
+        libs.insert(0, "-lmvec")
+    tc = Toolchain(cc, version, tuple(flags), tuple(libs), build_prelude(mvec))
+    _check_openmp(tc)
+    return tc
+
+
+def _has_avx512() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return " avx512f" in f.read()
+    except OSError:
+        return False
+
+
+def _glibc() -> tuple[int, ...]:
+    name, ver = platform.libc_ver()
+    if name != "glibc" or not ver:
+        return (0,)
+    return tuple(int(x) for x in ver.split(".")[:2])
+
+
+def _check_openmp(tc: Toolchain) -> None:
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "probe.c"
+        src.write_text(tc.prelude + "int probe(void) { return omp_get_max_threads(); }\n")
+        out = _run([tc.cc, *tc.flags, str(src), "-o", str(Path(d) / "probe.so"), *tc.libs])
+        if out.returncode != 0:
+            raise BuildError(f"{tc.cc} cannot build OpenMP code: {out.stderr.strip()[:300]}")
+
+
+def toolchain() -> Toolchain:
+    """The compiler opfuse uses: $CC, else cc/gcc on PATH. Raises BuildError if none."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise BuildError("no C compiler found (set CC or install gcc)")
+    path = shutil.which(cc)
+    if path is None:
+        raise BuildError(f"C compiler {cc!r} not found")
+    return _probe(path)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("OPFUSE_CACHE_DIR")
+    if root:
+        d = Path(root)
+    else:
+        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        d = Path(xdg) / "opfuse"
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_private(d)
+    return d
+
+
+def _check_private(p: Path) -> None:
+    st = p.stat()
+    if hasattr(os, "getuid") and st.st_uid != os.getuid():
+        raise UnsafeCacheError(f"{p} belongs to another user")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeCacheError(f"{p} can be written by other users")
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+_lock = threading.Lock()
+
+
+@dataclass
+class Library:
+    """A loaded shared library of kernels: `fn(name)` gives a ctypes function."""
+
+    path: Path
+    handle: ctypes.CDLL
+    cached: bool  # True when it came from the disk cache rather than a fresh build
+
+    def fn(self, name: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
+        f = getattr(self.handle, name)
+        f.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        f.restype = ctypes.c_int
+        return f
+
+
+def build(source: str) -> Library:
+    """Compile `source` (kernel code without the prelude) into a loaded library."""
+    tc = toolchain()
+    full = tc.prelude + source
+    key = hashlib.sha256((tc.fingerprint + "\0" + full).encode()).hexdigest()[:40]
+    d = cache_dir()
+    so = d / f"{key}.so"
+    sig = d / f"{key}.sha256"
+    with _lock:
+        lib = _load_cached(so, sig)
+        if lib is not None:
+            return lib
+        _compile(tc, full, d, so, sig)
+        return Library(so, ctypes.CDLL(str(so)), cached=False)
+
+
+def _load_cached(so: Path, sig: Path) -> Library | None:
+    if not so.exists() or not sig.exists():
+        return None
+    _check_private(so)
+    _check_private(sig)
+    if sig.read_text().strip() != _digest(so):
+        return None  # truncated or corrupt: rebuild
+    try:
+        return Library(so, ctypes.CDLL(str(so)), cached=True)
+    except OSError:
+        return None
+
+
+def _compile(tc: Toolchain, source: str, d: Path, so: Path, sig: Path) -> None:
+    fd, src_name = tempfile.mkstemp(suffix=".c", dir=d)
+    tmp_so = src_name[:-2] + ".so"
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(source)
+        out = _run([tc.cc, *tc.flags, src_name, "-o", tmp_so, *tc.libs])
+        if out.returncode != 0:
+            raise BuildError(f"{tc.cc} failed:\n{out.stderr.strip()[:2000]}")
+        os.chmod(tmp_so, 0o700)
+        digest = _digest(Path(tmp_so))
+        fd2, tmp_sig = tempfile.mkstemp(suffix=".sha256", dir=d)
+        with os.fdopen(fd2, "w") as f:
+            f.write(digest + "\n")
+        os.replace(tmp_so, so)  # atomic: readers see the old file or the new one
+        os.replace(tmp_sig, sig)
+    finally:
+        for p in (src_name, tmp_so):
+            if os.path.exists(p):
+                os.unlink(p)

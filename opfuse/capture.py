@@ -1,0 +1,417 @@
+"""Model -> opfuse Graph of ATen ops. The only module that touches torch.export and torch.fx.
+
+Two doors lead in:
+- `capture_module` (opfuse.compile, eval mode): torch.export traces the model to core
+  ATen; parameters and buffers are frozen into the graph as constants.
+- `capture_fx` (torch.compile backend, training): AOTAutograd hands us forward and backward
+  ATen graphs whose parameters are ordinary inputs.
+
+Both decompose composite ops (layer_norm, softmax, group_norm, batch_norm in training) into
+reductions and pointwise ops, which the fusion pass then regroups; inference BatchNorm is
+kept whole so that `rewrite.fold_batchnorm` can fold it into the conv before it.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import os
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from . import structure
+from .ir.graph import GETITEM, INPUT, Graph, GraphBuilder, Source, TensorMeta
+
+aten = torch.ops.aten
+
+
+class CaptureError(RuntimeError):
+    """The model could not be traced to a static ATen graph."""
+
+
+# Pointwise backward ops stay whole: the op table has their formulas, so keeping them
+# makes smaller graphs than their decompositions.
+_KEEP_WHOLE = (
+    aten.threshold_backward.default,
+    aten.sigmoid_backward.default,
+    aten.tanh_backward.default,
+    aten.gelu_backward.default,
+    aten.silu_backward.default,
+    aten.hardswish_backward.default,
+    aten.hardsigmoid_backward.default,
+    aten.leaky_relu_backward.default,
+    aten.hardtanh_backward.default,
+    aten.elu_backward.default,
+    aten.softplus_backward.default,
+    aten.silu.default,
+    aten.hardswish.default,
+    aten.hardsigmoid.default,
+)
+
+_DECOMPOSE = (
+    aten.native_layer_norm,
+    aten._softmax,
+    aten._log_softmax,
+    aten.native_group_norm,
+    aten._native_batch_norm_legit,
+    aten._native_batch_norm_legit_functional,
+    aten.native_batch_norm,
+    aten.linalg_vector_norm,
+    aten.std,
+    aten.std_mean,
+    aten.logsumexp,
+    aten.native_dropout,
+)
+
+
+@functools.lru_cache(maxsize=1)
+def decompositions() -> dict[Any, Callable[..., Any]]:
+    """The decomposition table used by both capture paths."""
+    from torch._decomp import core_aten_decompositions, get_decompositions
+
+    table = dict(core_aten_decompositions())
+    table.update(get_decompositions(list(_DECOMPOSE)))
+    for op in _KEEP_WHOLE:
+        table.pop(op, None)
+    return table
+
+
+# Ops that assert or annotate and produce nothing we need.
+_SKIP = {
+    "aten._assert_tensor_metadata.default",
+    "aten._assert_scalar.default",
+    "aten.sym_constrain_range_for_size.default",
+    "aten._assert_async.msg",
+}
+
+
+@dataclass
+class Captured:
+    """A captured model: its Graph and how runtime values map onto it."""
+
+    graph: Graph
+    # Per graph output: ('user', i) a user-visible tensor leaf, ('input', k) the new value of
+    # user input k (eager mutated it in place), ('state', name) the new value of a buffer.
+    output_roles: list[tuple[str, Any]] = field(default_factory=list)
+    out_spec: structure.Spec | None = None
+    # Per graph input: ('user', k) flattened user input k, ('state', name) mutable buffer.
+    input_roles: list[tuple[str, Any]] = field(default_factory=list)
+    state: dict[str, torch.Tensor] = field(default_factory=dict)  # private mutable buffers
+    scalar_inputs: dict[int, Any] = field(default_factory=dict)  # user leaf k -> value
+    eager_kernels: int | None = None  # compute ops eager runs (before decomposition)
+
+
+# -- eval-mode capture through torch.export ------------------------------------------
+class _Flat(torch.nn.Module):
+    """Calls the model and returns its tensor leaves as a flat tuple (records the spec)."""
+
+    def __init__(self, model: torch.nn.Module, box: list[structure.Spec]) -> None:
+        super().__init__()
+        self.m = model
+        # The spec goes into a list created outside: export restores module attributes
+        # that forward() assigns.
+        self._box = box
+
+    def forward(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        leaves, spec = structure.flatten(self.m(*args, **kwargs))
+        self._box.append(spec)
+        return tuple(leaves)
+
+
+def capture_module(
+    model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any] | None = None
+) -> Captured:
+    """Trace `model(*args, **kwargs)` with torch.export and freeze its parameters."""
+    kwargs = kwargs or {}
+    box: list[structure.Spec] = []
+    flat = _Flat(model, box)
+    try:
+        ep = torch.export.export(flat, tuple(args), kwargs, strict=False)
+        eager_kernels = count_eager_kernels(ep.graph_module)
+        ep = ep.run_decompositions(decompositions())
+    except Exception as e:  # export fails for many reasons; callers fall back to dynamo
+        raise CaptureError(f"torch.export could not trace the model: {type(e).__name__}: {e}") from e
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    sig = ep.graph_signature
+    state_dict = ep.state_dict
+    consts = ep.constants
+    mutated = set(sig.buffers_to_mutate.values())
+    user_leaves = pytree.tree_leaves((tuple(args), kwargs))
+
+    placeholders: dict[str, Any] = {}
+    input_roles: list[tuple[str, Any]] = []
+    state: dict[str, torch.Tensor] = {}
+    user_k = 0
+    scalar_inputs: dict[int, Any] = {}
+    for spec in sig.input_specs:
+        name = spec.arg.name
+        if spec.kind == InputKind.USER_INPUT:
+            value = user_leaves[user_k]
+            if isinstance(value, torch.Tensor):
+                placeholders[name] = ("input", ("user", user_k))
+            else:
+                scalar_inputs[user_k] = value
+                placeholders[name] = ("value", value)
+            user_k += 1
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+            target = spec.target
+            tensor = state_dict[target] if target in state_dict else consts[target]
+            if target in mutated:
+                # A buffer the model updates in place: the compiled module keeps its own copy.
+                state[target] = tensor.detach().clone()
+                placeholders[name] = ("input", ("state", target))
+            else:
+                placeholders[name] = ("constant", (_strip(target), tensor.detach()))
+        elif spec.kind == InputKind.CONSTANT_TENSOR:
+            placeholders[name] = ("constant", (_strip(spec.target), consts[spec.target]))
+        else:
+            raise CaptureError(f"unsupported graph input kind {spec.kind}")
+
+    graph, node_of = _convert(ep.graph_module, placeholders, input_roles)
+    output_roles: list[tuple[str, Any]] = []
+    user_out = 0
+    for spec in sig.output_specs:
+        if spec.kind == OutputKind.USER_OUTPUT:
+            output_roles.append(("user", user_out))
+            user_out += 1
+        elif spec.kind == OutputKind.BUFFER_MUTATION:
+            output_roles.append(("state", spec.target))
+        elif spec.kind == OutputKind.USER_INPUT_MUTATION:
+            k = _user_input_position(sig, spec.target)
+            output_roles.append(("input", k))
+        else:
+            raise CaptureError(f"unsupported graph output kind {spec.kind}")
+    return Captured(
+        graph, output_roles, box[-1], input_roles, state, scalar_inputs, eager_kernels
+    )
+
+
+def count_eager_kernels(gm: torch.fx.GraphModule) -> int:
+    """Ops eager launches a kernel for: ATen ops that are not views (an in-place op writes,
+    so it counts; a view only aliases)."""
+    n = 0
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            continue
+        if str(node.target) in _SKIP:
+            continue
+        returns = node.target._schema.returns
+        aliases = [r.alias_info for r in returns if r.alias_info is not None]
+        if aliases and not any(a.is_write for a in aliases):
+            continue
+        if not returns:
+            continue
+        n += 1
+    return n
+
+
+def _user_input_position(sig: Any, name: str) -> int:
+    from torch.export.graph_signature import InputKind
+
+    k = 0
+    for spec in sig.input_specs:
+        if spec.kind == InputKind.USER_INPUT:
+            if spec.arg.name == name:
+                return k
+            k += 1
+    raise CaptureError(f"mutated input {name} not found")
+
+
+def _strip(target: str) -> str:
+    return target[2:] if target.startswith("m.") else target
+
+
+# -- AOTAutograd graphs (torch.compile backend) -----------------------------------------
+def capture_fx(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Graph:
+    """Convert an ATen-level fx graph, re-deriving every shape from `example_inputs`
+    (concrete tensors, or fake ones with static shapes)."""
+    vals = _propagate(gm, example_inputs)
+    placeholders: dict[str, Any] = {}
+    k = 0
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            v = vals[n]
+            placeholders[n.name] = ("input", ("user", k)) if isinstance(v, torch.Tensor) else (
+                "value",
+                v,
+            )
+            k += 1
+    graph, _ = _convert(gm, placeholders, [], vals)
+    return graph
+
+
+def _propagate(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> dict[torch.fx.Node, Any]:
+    """Run the graph on fake tensors of the inputs' exact shapes and strides, so symbolic
+    sizes in the graph become plain ints."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    vals: dict[torch.fx.Node, Any] = {}
+
+    class Prop(torch.fx.Interpreter):
+        def run_node(self, n: torch.fx.Node) -> Any:
+            out = super().run_node(n)
+            vals[n] = out
+            return out
+
+    with mode:
+        fakes = [
+            torch.empty_strided(
+                tuple(int(s) for s in t.shape),
+                tuple(int(s) for s in t.stride()),
+                dtype=t.dtype,
+                device=t.device,
+                requires_grad=False,
+            )
+            if isinstance(t, torch.Tensor)
+            else _concrete(t)
+            for t in inputs
+        ]
+        Prop(gm).run(*fakes)
+    return vals
+
+
+def _concrete(v: Any) -> Any:
+    if isinstance(v, torch.SymInt):
+        return int(v)
+    if isinstance(v, torch.SymFloat):
+        return float(v)
+    if isinstance(v, torch.SymBool):
+        return bool(v)
+    return v
+
+
+# -- fx -> Graph --------------------------------------------------------------------------
+def _meta(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return TensorMeta.of(v)
+    if isinstance(v, (tuple, list)):
+        return tuple(_meta(x) for x in v)
+    return None
+
+
+def _convert(
+    gm: torch.fx.GraphModule,
+    placeholders: dict[str, Any],
+    input_roles: list[tuple[str, Any]],
+    vals: dict[torch.fx.Node, Any] | None = None,
+) -> tuple[Graph, dict[torch.fx.Node, Any]]:
+    b = GraphBuilder()
+    env: dict[torch.fx.Node, Any] = {}
+
+    def value_of(n: torch.fx.Node) -> Any:
+        return vals[n] if vals is not None else n.meta.get("val")
+
+    def arg(a: Any) -> Any:
+        if isinstance(a, torch.fx.Node):
+            return env[a]
+        if isinstance(a, (list, tuple)):
+            return type(a)(arg(x) for x in a)
+        return _concrete(a)
+
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            kind, payload = placeholders[n.name]
+            if kind == "input":
+                env[n] = b.add(INPUT, meta=_meta(value_of(n)), name=n.name)
+                input_roles.append(payload)
+            elif kind == "constant":
+                env[n] = b.constant(payload[1], _safe_name(payload[0]))
+            else:
+                env[n] = payload
+        elif n.op == "get_attr":
+            t = _fetch_attr(gm, n.target)
+            env[n] = b.constant(t.detach() if isinstance(t, torch.Tensor) else t, _safe_name(n.target))
+        elif n.op == "call_function":
+            v = value_of(n)
+            if not isinstance(v, (torch.Tensor, tuple, list)) and not _is_tensor_op(n):
+                # Size arithmetic on static shapes: a plain value.
+                env[n] = _concrete(v)
+                continue
+            op = _op_name(n.target)
+            if op in _SKIP:
+                continue
+            env[n] = b.add(
+                op,
+                arg(n.args),
+                {k: arg(v2) for k, v2 in n.kwargs.items()},
+                meta=_meta(v),
+                name=n.name,
+                source=_source(n),
+                target=n.target,
+            )
+        elif n.op == "output":
+            outs = n.args[0]
+            outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+            graph = b.build([env.get(o) if isinstance(o, torch.fx.Node) else None for o in outs])
+            return graph, env
+        else:
+            raise CaptureError(f"unsupported fx node {n.op} {n.target}")
+    raise CaptureError("graph has no output")
+
+
+def _is_tensor_op(n: torch.fx.Node) -> bool:
+    return isinstance(n.target, torch._ops.OpOverload) and any(
+        r.type.kind() == torch._C.TensorType.get().kind() for r in n.target._schema.returns
+    )
+
+
+def _op_name(target: Any) -> str:
+    if target is operator.getitem:
+        return GETITEM
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return getattr(target, "__name__", str(target))
+
+
+def _fetch_attr(gm: torch.nn.Module, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _safe_name(name: str) -> str:
+    return re.sub(r"\W", "_", name)
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)')
+
+
+def _source(n: torch.fx.Node) -> Source:
+    """The innermost nn.Module and the last user-code frame an op came from."""
+    module = module_type = ""
+    stack = n.meta.get("nn_module_stack")
+    if stack:
+        qualname, typ = list(stack.values())[-1]
+        module = _clean_module_path(qualname)
+        module_type = (typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))).split(".")[-1]
+    location = code = ""
+    frames = _FRAME.findall(n.meta.get("stack_trace") or "")
+    user = [f for f in frames if not f[0].startswith(_TORCH_DIR) and "opfuse" not in f[0]]
+    if user or frames:
+        path, line, code = (user or frames)[-1]
+        location = f"{os.path.basename(path)}:{line}"
+    return Source(module, module_type, location, code.strip())
+
+
+def _clean_module_path(q: str) -> str:
+    """'L['self'].layers[0].fc' / 'L__self___layers_0_fc' / 'm.layers.0' -> 'layers.0.fc'."""
+    q = re.sub(r"^L\['self'\]\.?", "", q)
+    q = re.sub(r"\[['\"]?([^\]'\"]+)['\"]?\]", r".\1", q)
+    q = q.replace("_modules.", "")
+    q = q.lstrip(".")
+    if q.startswith("m.") or q == "m":
+        q = q[2:]
+    return q
+
+
+__all__ = ["CaptureError", "Captured", "capture_fx", "capture_module", "decompositions"]

@@ -1,0 +1,110 @@
+"""`torch.compile(model, backend="opfuse")`: AOTAutograd splits forward and backward into
+ATen graphs and opfuse compiles each one. Registered through the `torch_dynamo_backends`
+entry point, so it works without importing opfuse first."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .capture import capture_fx, decompositions
+from .explain import count_kernels
+from .pipeline import CompiledGraph, Options, compile_graph, warn_once
+from .report import FusionReport
+
+# Reports of graphs compiled on this thread go here while collect_reports() listens.
+_listeners = threading.local()
+
+
+class _GraphRunner:
+    """Runs one AOT graph with opfuse, specialising on input shapes and strides (dynamo
+    may hand us graphs with symbolic sizes; each concrete signature compiles once)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+        self.gm = gm
+        self.cache: dict[tuple[Any, ...], CompiledGraph | None] = {}
+        if all(_static(x) for x in example_inputs):
+            self._compile(example_inputs)
+
+    def _key(self, args: Sequence[Any]) -> tuple[Any, ...]:
+        return tuple(
+            (tuple(a.shape), tuple(a.stride()), a.dtype, str(a.device))
+            if isinstance(a, torch.Tensor)
+            else ("value", a)
+            for a in args
+        )
+
+    def _compile(self, args: Sequence[Any]) -> CompiledGraph | None:
+        key = self._key(args)
+        try:
+            graph = capture_fx(self.gm, args)
+            compiled: CompiledGraph | None = compile_graph(
+                graph, Options(freeze=False), count_kernels(graph)
+            )
+        except Exception as e:  # never crash a model eager runs: run this graph with torch
+            warn_once(f"opfuse: graph falls back to torch ({type(e).__name__}: {e})")
+            compiled = None
+        self.cache[key] = compiled
+        if compiled is not None:
+            for sink in getattr(_listeners, "sinks", []):
+                sink.append(compiled.report)
+        return compiled
+
+    def __call__(self, args: list[Any]) -> Any:
+        key = self._key(args)
+        compiled = self.cache[key] if key in self.cache else self._compile(args)
+        if compiled is None:
+            return self.gm(*args)
+        return compiled(list(args))
+
+
+def _static(x: Any) -> bool:
+    if isinstance(x, torch.Tensor):
+        return all(isinstance(s, int) for s in (*x.shape, *x.stride()))
+    return not isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+def _compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    runner = _GraphRunner(gm, example_inputs)
+    args_clear = runner
+
+    def run(args: list[Any]) -> Any:
+        return args_clear(args)
+
+    return make_boxed_func(lambda *a: run(list(a)))
+
+
+def opfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    """The torch.compile backend: forward and backward graphs both go through opfuse."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    backend = aot_autograd(
+        fw_compiler=_compiler,
+        bw_compiler=_compiler,
+        decompositions=decompositions(),
+        partition_fn=min_cut_rematerialization_partition,
+    )
+    return backend(gm, example_inputs)
+
+
+def collect_reports(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> FusionReport:
+    """Run `model` once under torch.compile(backend=opfuse) and merge the reports of every
+    graph compiled meanwhile."""
+    sinks: list[FusionReport] = []
+    _listeners.sinks = [*getattr(_listeners, "sinks", []), sinks]
+    try:
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend=opfuse_backend)
+        compiled(*args, **kwargs)
+    finally:
+        _listeners.sinks = [s for s in _listeners.sinks if s is not sinks]
+    report = FusionReport()
+    for r in sinks:
+        report = report.merge(r)
+    return report

@@ -1,0 +1,265 @@
+"""Partition the graph into fusion groups. Decides only: emits no code.
+
+    for node in topological order:
+        pointwise / reduction node: start a group, then merge in each producer group it
+            reads (through views), if the merge is legal -- vertical fusion
+        matmul / conv: a library group (its epilogue attaches later, fusion/epilogue.py)
+        anything else: a fallback group run with torch
+    merge pointwise groups that read the same tensor over the same domain -- horizontal
+    fusion
+
+A merge is legal when it creates no cycle between groups, when fuel remains, and when the
+merged nodes lower to one kernel (`lower_group`; its NotFusable message becomes the
+reason). Each refusal is kept as a Rejection and logged on the `opfuse.fusion` logger.
+
+The tricky case is a diamond whose sides are not both in the group:
+
+        a ----> b (group G)
+        |       |
+        +--> c (opaque) --> d
+
+Merging d into G would make G read c, which reads G: a cycle. `_creates_cycle` finds the
+path G -> c -> d through a node outside both groups.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+
+from ..ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta
+from ..ir.ops import Kind, info
+from ..lower.lowering import NotFusable, lower_group
+from .classify import Classified
+from .groups import Group, Partition, Rejection
+
+log = logging.getLogger("opfuse.fusion")
+
+MAX_GROUP_NODES = 256
+
+
+class Fuel:
+    """Optimization fuel: at most `limit` fusions are performed (None: unlimited), so a
+    numerical difference can be bisected to the fusion that causes it."""
+
+    def __init__(self, limit: int | None = None) -> None:
+        self.limit = limit
+        self.used = 0
+
+    def take(self) -> bool:
+        if self.limit is not None and self.used >= self.limit:
+            return False
+        self.used += 1
+        return True
+
+
+class _Partitioner:
+    def __init__(self, graph: Graph, classified: Classified, fuel: Fuel) -> None:
+        self.g = graph
+        self.kinds = classified.kinds
+        self.why_opaque = classified.why_opaque
+        self.fuel = fuel
+        self.group_of: dict[Node, int] = {}
+        self.members: dict[int, list[Node]] = {}
+        self.rejected: list[Rejection] = []
+        self.fusions: list[tuple[str, str]] = []
+        self.index = graph.index
+        self._next = 0
+
+    # -- bookkeeping ---------------------------------------------------------------------
+    def _new_group(self, n: Node) -> int:
+        gid = self._next
+        self._next += 1
+        self.members[gid] = [n]
+        self.group_of[n] = gid
+        return gid
+
+    def _union(self, a: int, b: int) -> int:
+        """Merge group b into group a; keep topological order of members."""
+        for n in self.members[b]:
+            self.group_of[n] = a
+        merged = self.members[a] + self.members.pop(b)
+        merged.sort(key=self.index.__getitem__)
+        self.members[a] = merged
+        return a
+
+    def _reject(self, producer: Node, consumer: Node, reason: str) -> None:
+        r = Rejection(producer.name, consumer.name, reason)
+        self.rejected.append(r)
+        log.debug("not fused: %s", r)
+
+    def fusable(self, n: Node) -> bool:
+        k = self.kinds.get(n)
+        return k is not None and (k <= Kind.BROADCAST or k == Kind.REDUCTION)
+
+    def root(self, n: Node) -> Node:
+        """The node whose data a value is, looking through views (getitem included)."""
+        while n.op not in (INPUT, CONSTANT) and self.kinds.get(n) == Kind.INJECTIVE:
+            src = n.args[0]
+            if not isinstance(src, Node) or (n.op == "aten.as_strided.default"):
+                break
+            if n.op != GETITEM and info(n.op).index is None:
+                break
+            n = src
+        return n
+
+    # -- the pass -------------------------------------------------------------------------
+    def run(self) -> Partition:
+        for n in self.g.nodes:
+            k = self.kinds.get(n)
+            if k is None or k == Kind.INJECTIVE:
+                continue
+            self._new_group(n)
+            if self.fusable(n):
+                self._fuse_producers(n)
+        self._fuse_siblings()
+        return self._result()
+
+    def _fuse_producers(self, n: Node) -> None:
+        seen: set[int] = set()
+        for i in n.inputs():
+            p = self.root(i)
+            gid = self.group_of.get(p)
+            if gid is None or gid == self.group_of[n] or gid in seen:
+                continue
+            seen.add(gid)
+            if not self.fusable(p):
+                continue
+            reason = self._try_merge(gid, self.group_of[n])
+            if reason:
+                self._reject(p, n, reason)
+            else:
+                self.fusions.append((p.name, n.name))
+                log.debug("fused %s -> %s", p.name, n.name)
+
+    def _try_merge(self, a: int, b: int) -> str | None:
+        A, B = self.members[a], self.members[b]
+        if len(A) + len(B) > MAX_GROUP_NODES:
+            return f"the group would exceed {MAX_GROUP_NODES} ops"
+        if self._creates_cycle(set(A), set(B)):
+            return "fusing would create a cycle through an op outside both groups"
+        try:
+            lower_group(self.g, A + B)
+        except NotFusable as e:
+            return str(e)
+        if not self.fuel.take():
+            return "optimization fuel exhausted (OPFUSE_FUEL)"
+        self._union(a, b)
+        return None
+
+    def _creates_cycle(self, A: set[Node], B: set[Node]) -> bool:
+        return self._reaches(A, B) or self._reaches(B, A)
+
+    def _reaches(self, src: set[Node], dst: set[Node]) -> bool:
+        """Is there a path src -> x -> dst with x outside both sets?"""
+        lo = min(self.index[n] for n in src)
+        stack = [self.root(i) for d in dst for i in d.inputs()]
+        stack = [x for x in stack if x not in src and x not in dst]
+        seen: set[Node] = set()
+        while stack:
+            x = stack.pop()
+            if x in seen or self.index[x] < lo:
+                continue
+            seen.add(x)
+            if x in src:
+                return True
+            for i in x.inputs():
+                r = self.root(i)
+                if r in src:
+                    return True
+                if r not in dst:
+                    stack.append(r)
+        return False
+
+    def _fuse_siblings(self) -> None:
+        """Pointwise groups over the same domain that read the same tensor become one
+        kernel: the tensor is read once."""
+        readers: dict[Node, list[int]] = {}
+        for gid, nodes in self.members.items():
+            if not all(self.kinds.get(n, Kind.OPAQUE) <= Kind.BROADCAST for n in nodes):
+                continue
+            for r in self._external_roots(nodes):
+                readers.setdefault(r, []).append(gid)
+        for r, gids in readers.items():
+            live = [g for g in dict.fromkeys(gids) if g in self.members]
+            while len(live) > 1:
+                a = live[0]
+                for b in live[1:]:
+                    if b not in self.members or a not in self.members:
+                        continue
+                    if _domain(self.members[a]) != _domain(self.members[b]):
+                        continue
+                    reason = self._try_merge(a, b)
+                    if reason is None:
+                        self.fusions.append((self.members[a][0].name, r.name))
+                live = [g for g in live[1:] if g in self.members]
+            del r
+
+    def _external_roots(self, nodes: Iterable[Node]) -> set[Node]:
+        inside = set(nodes)
+        out = set()
+        for n in inside:
+            for i in n.inputs():
+                r = self.root(i)
+                if r not in inside and isinstance(r.meta, TensorMeta) and r.meta.numel > 1:
+                    out.add(r)
+        return out
+
+    def _result(self) -> Partition:
+        groups: list[Group] = []
+        for gid, nodes in self.members.items():
+            kinds = {self.kinds[n] for n in nodes}
+            if Kind.REDUCTION in kinds:
+                pattern, anchor, reason = "reduction", None, ""
+            elif kinds <= {Kind.ELEMENTWISE, Kind.BROADCAST}:
+                pattern, anchor, reason = "elementwise", None, ""
+            elif kinds == {Kind.ANCHOR}:
+                pattern, anchor, reason = "library", nodes[0], ""
+            else:
+                pattern, anchor = "fallback", nodes[0]
+                reason = self.why_opaque.get(nodes[0], "no fused implementation")
+            groups.append(Group(len(groups), nodes, pattern, anchor, reason))
+        groups = _toposort(groups, self.g, self.root)
+        for i, g in enumerate(groups):
+            g.id = i
+        return Partition(groups, self.rejected, self.fusions)
+
+
+def _domain(nodes: list[Node]) -> tuple[int, ...]:
+    return max((n.tensor.shape for n in nodes), key=len)
+
+
+def _toposort(groups: list[Group], graph: Graph, root) -> list[Group]:  # type: ignore[no-untyped-def]
+    owner = {n: i for i, g in enumerate(groups) for n in g.nodes}
+    deps: list[set[int]] = [set() for _ in groups]
+    for i, g in enumerate(groups):
+        for n in g.nodes:
+            for src in n.inputs():
+                stack = [src]
+                while stack:  # through views (they are not group members)
+                    s = stack.pop()
+                    j = owner.get(s)
+                    if j is not None:
+                        if j != i:
+                            deps[i].add(j)
+                    elif s.op not in (INPUT, CONSTANT):
+                        stack.extend(s.inputs())
+    order: list[Group] = []
+    done: set[int] = set()
+    first = {i: min(graph.index[n] for n in g.nodes) for i, g in enumerate(groups)}
+    pending = sorted(range(len(groups)), key=first.__getitem__)
+    while pending:
+        for i in pending:
+            if deps[i] <= done:
+                order.append(groups[i])
+                done.add(i)
+                pending.remove(i)
+                break
+        else:
+            raise AssertionError("cycle between fusion groups")
+    return order
+
+
+def partition(graph: Graph, classified: Classified, fuel: Fuel | None = None) -> Partition:
+    """Group the graph's nodes; see the module docstring."""
+    return _Partitioner(graph, classified, fuel or Fuel()).run()

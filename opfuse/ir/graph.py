@@ -1,0 +1,317 @@
+"""The graph opfuse compiles: immutable nodes of ATen ops in topological order.
+
+A `Node` is one ATen op application (or a graph input, or a frozen constant). Its `args`
+hold other Nodes where the op takes tensors and plain Python values elsewhere, so a pass
+can read the whole program without torch.fx. Nodes compare by identity; a pass that
+changes the program builds a new Graph with `GraphBuilder` and leaves the old one intact.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """Shape, layout and dtype of one tensor value, all static."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    device: str = "cpu"
+    offset: int = 0  # storage offset, in elements; only meaningful relative to a base
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+    def is_contiguous(self) -> bool:
+        return self.stride == contiguous_strides(self.shape) or self.numel <= 1
+
+    @staticmethod
+    def of(t: torch.Tensor) -> TensorMeta:
+        return TensorMeta(
+            tuple(int(s) for s in t.shape),
+            tuple(int(s) for s in t.stride()),
+            t.dtype,
+            str(t.device),
+            int(t.storage_offset()),
+        )
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides = []
+    acc = 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where an op came from in the user's model: nn.Module path and source line."""
+
+    module: str = ""  # qualified name, e.g. "layers.0.attn"
+    module_type: str = ""  # class name, e.g. "Linear"
+    location: str = ""  # "file.py:42"
+    code: str = ""  # the source line itself
+
+    def __str__(self) -> str:
+        where = self.module or "<model>"
+        return f"{where} ({self.location})" if self.location else where
+
+
+# Values a Node may hold in args besides other Nodes.
+Arg = Any
+
+INPUT = "input"
+CONSTANT = "constant"
+GETITEM = "getitem"
+
+
+@dataclass(frozen=True, eq=False)
+class Node:
+    """One op application. `meta` is a TensorMeta, a tuple of them (multi-output ops),
+    or None for values that are not tensors."""
+
+    name: str
+    op: str
+    args: tuple[Arg, ...] = ()
+    kwargs: tuple[tuple[str, Arg], ...] = ()
+    meta: Any = None
+    source: Source | None = None
+    target: Any = None  # the torch callable that computes this op (OpOverload)
+
+    def __repr__(self) -> str:
+        return f"%{self.name}"
+
+    @property
+    def tensor(self) -> TensorMeta:
+        assert isinstance(self.meta, TensorMeta), f"{self.name} is not a single tensor"
+        return self.meta
+
+    @property
+    def kw(self) -> dict[str, Arg]:
+        return dict(self.kwargs)
+
+    def inputs(self) -> list[Node]:
+        """The Nodes this node reads, in argument order, without duplicates."""
+        seen: dict[int, Node] = {}
+        for a in _walk(self.args, self.kwargs):
+            seen.setdefault(id(a), a)
+        return list(seen.values())
+
+
+def _walk(*values: Any) -> Iterator[Node]:
+    for v in values:
+        if isinstance(v, Node):
+            yield v
+        elif isinstance(v, (tuple, list)):
+            yield from _walk(*v)
+
+
+def map_args(value: Arg, fn: Any) -> Arg:
+    """Rebuild a (possibly nested) argument with every Node replaced by fn(node)."""
+    if isinstance(value, Node):
+        return fn(value)
+    if isinstance(value, tuple):
+        return tuple(map_args(v, fn) for v in value)
+    if isinstance(value, list):
+        return [map_args(v, fn) for v in value]
+    return value
+
+
+@dataclass(frozen=True, eq=False)
+class Graph:
+    """A whole program: inputs, nodes in topological order, outputs, frozen constants."""
+
+    inputs: tuple[Node, ...]
+    nodes: tuple[Node, ...]  # includes inputs and constants, topologically sorted
+    outputs: tuple[Node | None, ...]
+    constants: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+    @functools.cached_property
+    def users(self) -> dict[Node, list[Node]]:
+        users: dict[Node, list[Node]] = {n: [] for n in self.nodes}
+        for n in self.nodes:
+            for i in n.inputs():
+                users[i].append(n)
+        return users
+
+    @functools.cached_property
+    def output_set(self) -> frozenset[Node]:
+        return frozenset(o for o in self.outputs if o is not None)
+
+    @functools.cached_property
+    def index(self) -> dict[Node, int]:
+        return {n: i for i, n in enumerate(self.nodes)}
+
+    def compute_nodes(self) -> list[Node]:
+        return [n for n in self.nodes if n.op not in (INPUT, CONSTANT)]
+
+    def __iter__(self) -> Iterator[Node]:
+        return iter(self.nodes)
+
+    def __len__(self) -> int:
+        return len(self.nodes)
+
+
+class GraphBuilder:
+    """Builds a new Graph, usually by copying an old one node by node.
+
+    `copy(node)` re-creates an old node with its arguments remapped to the new graph;
+    `add(...)` appends a fresh node; `replace(old, new)` makes later copies read `new`
+    wherever they read `old`.
+    """
+
+    def __init__(self, constants: Mapping[str, torch.Tensor] | None = None) -> None:
+        self.nodes: list[Node] = []
+        self.inputs: list[Node] = []
+        self.constants: dict[str, torch.Tensor] = dict(constants or {})
+        self.remap: dict[Node, Node] = {}
+        self._names: set[str] = set()
+
+    def _unique(self, name: str) -> str:
+        base, i = name, 1
+        while name in self._names:
+            name = f"{base}_{i}"
+            i += 1
+        self._names.add(name)
+        return name
+
+    def add(
+        self,
+        op: str,
+        args: Sequence[Arg] = (),
+        kwargs: Mapping[str, Arg] | None = None,
+        *,
+        meta: Any,
+        name: str | None = None,
+        source: Source | None = None,
+        target: Any = None,
+    ) -> Node:
+        node = Node(
+            self._unique(name or default_name(op)),
+            op,
+            tuple(args),
+            tuple((kwargs or {}).items()),
+            meta,
+            source,
+            target,
+        )
+        self.nodes.append(node)
+        if op == INPUT:
+            self.inputs.append(node)
+        return node
+
+    def call(self, target: Any, *args: Arg, source: Source | None = None, **kwargs: Arg) -> Node:
+        """Append an application of ATen op `target`, its meta inferred by torch."""
+        from .meta import infer_meta
+
+        return self.add(
+            str(target),
+            args,
+            kwargs,
+            meta=infer_meta(target, args, kwargs),
+            source=source,
+            target=target,
+        )
+
+    def constant(self, tensor: torch.Tensor, name: str, source: Source | None = None) -> Node:
+        name = self._unique(name)
+        self.constants[name] = tensor
+        node = Node(name, CONSTANT, (), (), TensorMeta.of(tensor), source, None)
+        self._names.add(name)
+        self.nodes.append(node)
+        return node
+
+    def get(self, old: Node) -> Node:
+        return self.remap.get(old, old)
+
+    def replace(self, old: Node, new: Node) -> None:
+        self.remap[old] = new
+
+    def copy(self, old: Node) -> Node:
+        if old.op == CONSTANT:
+            new = self.constant(self._old_constants[old.name], old.name, old.source)
+        else:
+            new = self.add(
+                old.op,
+                map_args(old.args, self.get),
+                {k: map_args(v, self.get) for k, v in old.kwargs},
+                meta=old.meta,
+                name=old.name,
+                source=old.source,
+                target=old.target,
+            )
+        self.remap[old] = new
+        return new
+
+    _old_constants: Mapping[str, torch.Tensor] = {}
+
+    def copy_from(self, graph: Graph) -> GraphBuilder:
+        """Prepare to copy nodes out of `graph` (its constants become available)."""
+        self._old_constants = graph.constants
+        return self
+
+    def build(self, outputs: Sequence[Node | None]) -> Graph:
+        outs = tuple(self.get(o) if o is not None else None for o in outputs)
+        live = _live_nodes(self.nodes, outs)
+        nodes = tuple(n for n in self.nodes if n in live or n.op == INPUT)
+        used_consts = {n.name for n in nodes if n.op == CONSTANT}
+        consts = {k: v for k, v in self.constants.items() if k in used_consts}
+        return Graph(tuple(self.inputs), nodes, outs, consts)
+
+
+def default_name(op: str) -> str:
+    """'aten.add.Tensor' -> 'add'."""
+    parts = op.split(".")
+    return parts[1] if len(parts) > 1 else op
+
+
+def _live_nodes(nodes: Sequence[Node], outputs: Sequence[Node | None]) -> set[Node]:
+    """Nodes that an output depends on (dead code is dropped by `build`)."""
+    live: set[Node] = set()
+    stack = [o for o in outputs if o is not None]
+    while stack:
+        n = stack.pop()
+        if n in live:
+            continue
+        live.add(n)
+        stack.extend(n.inputs())
+    return live
+
+
+def bind(node: Node) -> dict[str, Arg]:
+    """The node's arguments by schema name, defaults filled in."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return {f"arg{i}": a for i, a in enumerate(node.args)} | dict(node.kwargs)
+    out: dict[str, Arg] = {}
+    kw = dict(node.kwargs)
+    positional = list(node.args)
+    for i, a in enumerate(schema.arguments):
+        if i < len(positional) and not a.kwarg_only:
+            out[a.name] = positional[i]
+        elif a.name in kw:
+            out[a.name] = kw[a.name]
+        elif a.has_default_value():
+            out[a.name] = a.default_value
+    return out

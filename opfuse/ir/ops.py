@@ -1,0 +1,507 @@
+"""The op table: one row per ATen op opfuse understands.
+
+A row says what kind of op it is (the ordered `Kind`, TVM style: fusion rules compare kinds)
+and, for pointwise ops, its scalar formula in terms of the primitives of `scalar.py`;
+for views, how an index into the output maps to an index into the input; for reductions,
+what they accumulate. Ops missing from the table are OPAQUE: they run with torch.
+
+Formulas take the op's schema arguments by name. Tensor arguments arrive as scalar `Expr`s
+already cast to the op's compute dtype (unless listed in `keep`); other arguments arrive as
+the Python values the graph holds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import torch
+
+from .index import Ix, delinearize, linearize
+from .scalar import Expr, call, cast, const, where
+
+
+class Kind(IntEnum):
+    """Ordered op kinds: a lower kind fuses into a higher one's group more freely."""
+
+    ELEMENTWISE = 0  # same-shape pointwise
+    BROADCAST = 1  # pointwise reading a broadcast operand
+    INJECTIVE = 2  # views: every output element reads one input element
+    REDUCTION = 3
+    ANCHOR = 4  # matmul / convolution: a library call that takes an epilogue
+    OPAQUE = 5  # anything else: runs with torch
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """What a reduction op accumulates.
+
+    combine: 'sum' | 'prod' | 'max' | 'min' | 'argmax' | 'argmin' | 'welford' | 'any' | 'all'
+    result: which value(s) it returns: 'value', 'mean', 'var', 'var_mean', 'value_index'
+    """
+
+    combine: str
+    result: str = "value"
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    kind: Kind
+    formula: Callable[..., Any] | None = None
+    keep: tuple[str, ...] = ()  # tensor args not cast to the compute dtype
+    index: Callable[..., tuple[Ix, ...]] | None = None  # views: out index -> input index
+    reduction: Reduction | None = None
+
+    @property
+    def pointwise(self) -> bool:
+        return self.kind <= Kind.BROADCAST
+
+
+# -- scalar helpers used by formulas -----------------------------------------
+def exp(x: Expr) -> Expr:
+    return call("exp", x)
+
+
+def tanh(x: Expr) -> Expr:
+    return call("tanh", x)
+
+
+def maximum(a: Any, b: Any) -> Expr:
+    return call("max", a, b)
+
+
+def minimum(a: Any, b: Any) -> Expr:
+    return call("min", a, b)
+
+
+def clamp(x: Expr, lo: Any = None, hi: Any = None) -> Expr:
+    # torch applies min last: clamp(x, 3, 1) is 1; NaN propagates through both.
+    if lo is not None:
+        x = maximum(x, lo)
+    if hi is not None:
+        x = minimum(x, hi)
+    return x
+
+
+def eq(a: Any, b: Any) -> Expr:
+    return call("eq", a, b)
+
+
+def ne(a: Any, b: Any) -> Expr:
+    return call("ne", a, b)
+
+
+def truthy(x: Expr) -> Expr:
+    return x if x.dtype == torch.bool else ne(x, 0)
+
+
+SQRT1_2 = math.sqrt(0.5)
+GELU_TANH_BETA = math.sqrt(2.0) * (2.0 / math.sqrt(math.pi)) * 0.5
+GELU_KAPPA = 0.044715
+GELU_PDF = (2.0 / math.sqrt(math.pi)) * SQRT1_2 * 0.5
+
+
+def gelu(x: Expr, approximate: str = "none") -> Expr:
+    if approximate == "tanh":
+        return 0.5 * x * (1 + tanh(GELU_TANH_BETA * (x + GELU_KAPPA * (x * x * x))))
+    return x * 0.5 * (1 + call("erf", x * SQRT1_2))
+
+
+def gelu_backward(grad_output: Expr, self: Expr, approximate: str = "none") -> Expr:
+    x = self
+    if approximate == "tanh":
+        x_sq = x * x
+        inner = GELU_TANH_BETA * (x + GELU_KAPPA * x_sq * x)
+        t = tanh(inner)
+        left = 0.5 * x
+        right = 1 + t
+        left_d = 0.5 * right
+        right_d = left * (1 - t * t) * GELU_TANH_BETA * (1 + 3 * GELU_KAPPA * x_sq)
+        return grad_output * (left_d + right_d)
+    cdf = 0.5 * (1 + call("erf", x * SQRT1_2))
+    pdf = exp(-0.5 * x * x) * GELU_PDF
+    return grad_output * (cdf + x * pdf)
+
+
+def pow_scalar(self: Expr, exponent: float) -> Expr:
+    # torch special-cases these exponents; matching it keeps results bit-identical.
+    if exponent == 2:
+        return self * self
+    if exponent == 3:
+        return self * self * self
+    if exponent == 1:
+        return self
+    if exponent == 0:
+        return const(1, self.dtype)
+    if self.dtype.is_floating_point:
+        if exponent == 0.5:
+            return call("sqrt", self)
+        if exponent == -0.5:
+            return call("rsqrt", self)
+        if exponent == -1:
+            return call("reciprocal", self)
+        if exponent == -2:
+            return call("reciprocal", self * self)
+    return call("pow", self, exponent)
+
+
+def softplus(self: Expr, beta: float = 1, threshold: float = 20) -> Expr:
+    z = self * beta
+    return where(z > threshold, self, call("log1p", exp(z)) / beta)
+
+
+def div_mode(self: Expr, other: Any, rounding_mode: str | None = None) -> Expr:
+    if rounding_mode == "trunc":
+        return call("truncdiv", self, other)
+    if rounding_mode == "floor":
+        return call("floordiv", self, other)
+    return self / other
+
+
+def lerp(self: Expr, end: Any, weight: Any) -> Expr:
+    # torch's two-sided form keeps lerp(a, b, 1) == b exactly.
+    small = call("abs", weight) < 0.5 if isinstance(weight, Expr) else abs(weight) < 0.5
+    return where(small, self + weight * (end - self), end - (end - self) * (1 - weight))
+
+
+def nan_to_num(self: Expr, nan: Any = None, posinf: Any = None, neginf: Any = None) -> Expr:
+    if not self.dtype.is_floating_point:
+        return self
+    info = torch.finfo(self.dtype)
+    x = where(eq(self, math.inf), info.max if posinf is None else posinf, self)
+    x = where(eq(self, -math.inf), info.min if neginf is None else neginf, x)
+    return where(call("isnan", self), 0.0 if nan is None else nan, x)
+
+
+def elu(self: Expr, alpha: float = 1, scale: float = 1, input_scale: float = 1) -> Expr:
+    return where(self <= 0, call("expm1", self * input_scale) * (alpha * scale), self * scale)
+
+
+def elu_backward(
+    grad_output: Expr,
+    alpha: float,
+    scale: float,
+    input_scale: float,
+    is_result: bool,
+    self_or_result: Expr,
+) -> Expr:
+    x = self_or_result
+    negcoef = alpha * scale
+    if is_result:
+        neg = grad_output * input_scale * (x + negcoef)
+    else:
+        neg = grad_output * input_scale * negcoef * exp(x * input_scale)
+    return where(x <= 0, neg, grad_output * scale)
+
+
+def _sub(self: Expr, other: Any, alpha: Any = 1) -> Expr:
+    return self - (other * alpha if alpha != 1 else other)
+
+
+def _add(self: Expr, other: Any, alpha: Any = 1) -> Expr:
+    return self + (other * alpha if alpha != 1 else other)
+
+
+# -- index maps of views: output multi-index -> input multi-index -------------
+def _shape(x: Any) -> tuple[int, ...]:
+    return x.meta.shape  # type: ignore[no-any-return]
+
+
+def _norm_dim(d: int, n: int) -> int:
+    return d + n if d < 0 else d
+
+
+def ix_permute(out: Sequence[Ix], self: Any, dims: Sequence[int]) -> tuple[Ix, ...]:
+    n = len(dims)
+    inp = [Ix()] * n
+    for k, d in enumerate(dims):
+        inp[_norm_dim(d, n)] = out[k]
+    return tuple(inp)
+
+
+def ix_transpose(out: Sequence[Ix], self: Any, dim0: int, dim1: int) -> tuple[Ix, ...]:
+    n = len(out)
+    a, b = _norm_dim(dim0, n), _norm_dim(dim1, n)
+    inp = list(out)
+    inp[a], inp[b] = out[b], out[a]
+    return tuple(inp)
+
+
+def ix_t(out: Sequence[Ix], self: Any) -> tuple[Ix, ...]:
+    return tuple(reversed(out)) if len(out) == 2 else tuple(out)
+
+
+def ix_expand(out: Sequence[Ix], self: Any, size: Sequence[int], implicit: bool = False) -> tuple[Ix, ...]:
+    shape = _shape(self)
+    lead = len(out) - len(shape)
+    return tuple(Ix() if shape[d] == 1 else out[d + lead] for d in range(len(shape)))
+
+
+def ix_unsqueeze(out: Sequence[Ix], self: Any, dim: int) -> tuple[Ix, ...]:
+    d = _norm_dim(dim, len(out))
+    return tuple(out[:d]) + tuple(out[d + 1 :])
+
+
+def ix_squeeze(out: Sequence[Ix], self: Any, dim: Any = None) -> tuple[Ix, ...]:
+    shape = _shape(self)
+    if dim is None:
+        dims = {d for d, s in enumerate(shape) if s == 1}
+    else:
+        ds = dim if isinstance(dim, (list, tuple)) else [dim]
+        dims = {_norm_dim(d, len(shape)) for d in ds if shape[_norm_dim(d, len(shape))] == 1}
+    it = iter(out)
+    return tuple(Ix() if d in dims else next(it) for d in range(len(shape)))
+
+
+def ix_slice(
+    out: Sequence[Ix], self: Any, dim: int = 0, start: Any = None, end: Any = None, step: int = 1
+) -> tuple[Ix, ...]:
+    shape = _shape(self)
+    d = _norm_dim(dim, len(shape))
+    begin = 0 if start is None else start
+    if begin < 0:
+        begin += shape[d]
+    begin = min(max(begin, 0), shape[d])
+    inp = list(out)
+    inp[d] = out[d] * step + begin
+    return tuple(inp)
+
+
+def ix_select(out: Sequence[Ix], self: Any, dim: int, index: int) -> tuple[Ix, ...]:
+    shape = _shape(self)
+    d = _norm_dim(dim, len(shape))
+    i = index + shape[d] if index < 0 else index
+    return tuple(out[:d]) + (Ix.of(i),) + tuple(out[d:])
+
+
+def ix_view(out: Sequence[Ix], self: Any, size: Sequence[int]) -> tuple[Ix, ...]:
+    out_shape = [s for s in size]
+    if -1 in out_shape:
+        known = math.prod(s for s in out_shape if s != -1)
+        out_shape[out_shape.index(-1)] = math.prod(_shape(self)) // max(known, 1)
+    return delinearize(linearize(out, out_shape), _shape(self))
+
+
+def ix_identity(out: Sequence[Ix], self: Any, *args: Any, **kwargs: Any) -> tuple[Ix, ...]:
+    return tuple(out)
+
+
+# -- the table -----------------------------------------------------------------
+E = Kind.ELEMENTWISE  # BROADCAST is decided per node, from shapes (fusion/classify.py)
+
+
+def pw(formula: Callable[..., Any], keep: tuple[str, ...] = ()) -> OpInfo:
+    return OpInfo(E, formula, keep)
+
+
+def view(index: Callable[..., tuple[Ix, ...]]) -> OpInfo:
+    return OpInfo(Kind.INJECTIVE, index=index)
+
+
+def red(combine: str, result: str = "value") -> OpInfo:
+    return OpInfo(Kind.REDUCTION, reduction=Reduction(combine, result))
+
+
+def _u(prim: str) -> OpInfo:
+    return pw(lambda self: call(prim, self))
+
+
+OPAQUE = OpInfo(Kind.OPAQUE)
+ANCHOR = OpInfo(Kind.ANCHOR)
+
+OPS: dict[str, OpInfo] = {
+    # arithmetic
+    "aten.add.Tensor": pw(_add),
+    "aten.add.Scalar": pw(_add),
+    "aten.sub.Tensor": pw(_sub),
+    "aten.sub.Scalar": pw(_sub),
+    "aten.rsub.Scalar": pw(lambda self, other, alpha=1: other - (self * alpha if alpha != 1 else self)),
+    "aten.rsub.Tensor": pw(lambda self, other, alpha=1: _sub(other, self, alpha)),
+    "aten.mul.Tensor": pw(lambda self, other: self * other),
+    "aten.mul.Scalar": pw(lambda self, other: self * other),
+    "aten.div.Tensor": pw(lambda self, other: self / other),
+    "aten.div.Scalar": pw(lambda self, other: self / other),
+    "aten.div.Tensor_mode": pw(div_mode),
+    "aten.div.Scalar_mode": pw(div_mode),
+    "aten.true_divide.Tensor": pw(lambda self, other: self / other),
+    "aten.floor_divide.default": pw(lambda self, other: call("floordiv", self, other)),
+    "aten.floor_divide.Scalar": pw(lambda self, other: call("floordiv", self, other)),
+    "aten.fmod.Tensor": pw(lambda self, other: call("fmod", self, other)),
+    "aten.fmod.Scalar": pw(lambda self, other: call("fmod", self, other)),
+    "aten.remainder.Tensor": pw(lambda self, other: call("remainder", self, other)),
+    "aten.remainder.Scalar": pw(lambda self, other: call("remainder", self, other)),
+    "aten.pow.Tensor_Scalar": pw(pow_scalar),
+    "aten.pow.Tensor_Tensor": pw(lambda self, exponent: call("pow", self, exponent)),
+    "aten.pow.Scalar": pw(lambda self, exponent: call("pow", self, exponent)),
+    "aten.neg.default": pw(lambda self: -self),
+    "aten.abs.default": _u("abs"),
+    "aten.sign.default": _u("sign"),
+    "aten.sgn.default": _u("sign"),
+    "aten.reciprocal.default": _u("reciprocal"),
+    "aten.square.default": pw(lambda self: self * self),
+    "aten.maximum.default": pw(lambda self, other: maximum(self, other)),
+    "aten.minimum.default": pw(lambda self, other: minimum(self, other)),
+    "aten.fmax.default": pw(lambda self, other: call("fmax", self, other)),
+    "aten.fmin.default": pw(lambda self, other: call("fmin", self, other)),
+    "aten.atan2.default": pw(lambda self, other: call("atan2", self, other)),
+    "aten.copysign.Tensor": pw(lambda self, other: call("copysign", self, other)),
+    "aten.hypot.default": pw(lambda self, other: call("hypot", self, other)),
+    "aten.addcmul.default": pw(lambda self, tensor1, tensor2, value=1: self + value * tensor1 * tensor2
+                               if value != 1 else self + tensor1 * tensor2),
+    "aten.addcdiv.default": pw(lambda self, tensor1, tensor2, value=1: self + value * (tensor1 / tensor2)
+                               if value != 1 else self + tensor1 / tensor2),
+    "aten.lerp.Scalar": pw(lerp),
+    "aten.lerp.Tensor": pw(lerp),
+    "aten.frac.default": pw(lambda self: self - call("trunc", self)),
+    # math
+    **{f"aten.{p}.default": _u(p) for p in (
+        "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "sin", "cos",
+        "tan", "asin", "acos", "atan", "sinh", "cosh", "tanh", "asinh", "acosh", "atanh",
+        "sigmoid", "erf", "erfc", "floor", "ceil", "trunc", "round", "lgamma")},
+    # activations
+    "aten.relu.default": pw(lambda self: maximum(self, 0)),
+    "aten.gelu.default": pw(gelu),
+    "aten.silu.default": pw(lambda self: self * call("sigmoid", self)),
+    "aten.mish.default": pw(lambda self: self * tanh(softplus(self))),
+    "aten.hardswish.default": pw(lambda self: self * clamp(self + 3, 0, 6) / 6),
+    "aten.hardsigmoid.default": pw(lambda self: clamp(self + 3, 0, 6) / 6),
+    "aten.hardtanh.default": pw(lambda self, min_val=-1, max_val=1: clamp(self, min_val, max_val)),
+    "aten.clamp.default": pw(lambda self, min=None, max=None: clamp(self, min, max)),
+    "aten.clamp.Tensor": pw(lambda self, min=None, max=None: clamp(self, min, max)),
+    "aten.clamp_min.default": pw(lambda self, min: maximum(self, min)),
+    "aten.clamp_max.default": pw(lambda self, max: minimum(self, max)),
+    "aten.leaky_relu.default": pw(lambda self, negative_slope=0.01:
+                                  where(self > 0, self, self * negative_slope)),
+    "aten.elu.default": pw(elu),
+    "aten.softplus.default": pw(softplus),
+    "aten.nan_to_num.default": pw(nan_to_num),
+    # comparisons, predicates, logic
+    **{f"aten.{p}.{o}": pw(lambda self, other, _p=p: call(_p, self, other))
+       for p in ("eq", "ne", "lt", "le", "gt", "ge") for o in ("Tensor", "Scalar")},
+    "aten.isnan.default": _u("isnan"),
+    "aten.isinf.default": _u("isinf"),
+    "aten.isfinite.default": pw(lambda self: ~(call("isnan", self) | call("isinf", self))
+                                if self.dtype.is_floating_point else eq(self, self)),
+    "aten.signbit.default": _u("signbit"),
+    "aten.logical_not.default": pw(lambda self: eq(self, 0), keep=("self",)),
+    "aten.logical_and.default": pw(lambda self, other: truthy(self) & truthy(other),
+                                   keep=("self", "other")),
+    "aten.logical_or.default": pw(lambda self, other: truthy(self) | truthy(other),
+                                  keep=("self", "other")),
+    "aten.logical_xor.default": pw(lambda self, other: truthy(self) ^ truthy(other),
+                                   keep=("self", "other")),
+    "aten.bitwise_and.Tensor": pw(lambda self, other: self & other),
+    "aten.bitwise_and.Scalar": pw(lambda self, other: self & other),
+    "aten.bitwise_or.Tensor": pw(lambda self, other: self | other),
+    "aten.bitwise_or.Scalar": pw(lambda self, other: self | other),
+    "aten.bitwise_xor.Tensor": pw(lambda self, other: self ^ other),
+    "aten.bitwise_xor.Scalar": pw(lambda self, other: self ^ other),
+    "aten.bitwise_not.default": pw(lambda self: ~self),
+    # selection, conversion, creation
+    "aten.where.self": pw(lambda condition, self, other: where(condition, self, other),
+                          keep=("condition",)),
+    "aten.where.ScalarSelf": pw(lambda condition, self, other: where(condition, self, other),
+                                keep=("condition",)),
+    "aten.where.ScalarOther": pw(lambda condition, self, other: where(condition, self, other),
+                                 keep=("condition",)),
+    "aten.masked_fill.Scalar": pw(lambda self, mask, value: where(mask, value, self), keep=("mask",)),
+    "aten.masked_fill.Tensor": pw(lambda self, mask, value: where(mask, value, self), keep=("mask",)),
+    "aten._to_copy.default": pw(lambda self, **_: self, keep=("self",)),
+    "aten.clone.default": pw(lambda self, **_: self, keep=("self",)),
+    "aten.copy.default": pw(lambda self, src, non_blocking=False: src, keep=("self", "src")),
+    "aten.lift_fresh_copy.default": pw(lambda self: self, keep=("self",)),
+    "prims.convert_element_type.default": pw(lambda a, dtype: a, keep=("a",)),
+    "aten.scalar_tensor.default": pw(lambda s, **_: s),
+    "aten.full.default": pw(lambda size, fill_value, **_: fill_value),
+    "aten.full_like.default": pw(lambda self, fill_value, **_: fill_value, keep=("self",)),
+    "aten.zeros_like.default": pw(lambda self, **_: 0, keep=("self",)),
+    "aten.ones_like.default": pw(lambda self, **_: 1, keep=("self",)),
+    "aten.fill.Scalar": pw(lambda self, value: value, keep=("self",)),
+    # backward pointwise ops (AOTAutograd)
+    "aten.threshold_backward.default": pw(lambda grad_output, self, threshold:
+                                          where(self <= threshold, 0, grad_output)),
+    "aten.sigmoid_backward.default": pw(lambda grad_output, output:
+                                        grad_output * (1 - output) * output),
+    "aten.tanh_backward.default": pw(lambda grad_output, output:
+                                     grad_output * (1 - output * output)),
+    "aten.gelu_backward.default": pw(gelu_backward),
+    "aten.silu_backward.default": pw(lambda grad_output, self: grad_output * call("sigmoid", self)
+                                     * (1 + self * (1 - call("sigmoid", self)))),
+    "aten.hardswish_backward.default": pw(lambda grad_output, self: where(
+        self < -3, 0, where(self <= 3, grad_output * (self / 3 + 0.5), grad_output))),
+    "aten.hardsigmoid_backward.default": pw(lambda grad_output, self: where(
+        (self > -3) & (self < 3), grad_output / 6, 0)),
+    "aten.hardtanh_backward.default": pw(lambda grad_output, self, min_val, max_val: where(
+        (self <= min_val) | (self >= max_val), 0, grad_output)),
+    "aten.leaky_relu_backward.default": pw(
+        lambda grad_output, self, negative_slope, self_is_result:
+        where(self > 0, grad_output, grad_output * negative_slope)),
+    "aten.elu_backward.default": pw(elu_backward),
+    "aten.softplus_backward.default": pw(lambda grad_output, self, beta, threshold: where(
+        self * beta > threshold, grad_output,
+        grad_output * exp(self * beta) / (exp(self * beta) + 1))),
+    # views: no data moves; fused groups read through their index maps
+    "aten.view.default": view(ix_view),
+    "aten._unsafe_view.default": view(ix_view),
+    "aten.reshape.default": view(ix_view),
+    "aten.permute.default": view(ix_permute),
+    "aten.transpose.int": view(ix_transpose),
+    "aten.t.default": view(ix_t),
+    "aten.expand.default": view(ix_expand),
+    "aten.unsqueeze.default": view(ix_unsqueeze),
+    "aten.squeeze.dim": view(ix_squeeze),
+    "aten.squeeze.dims": view(ix_squeeze),
+    "aten.squeeze.default": view(ix_squeeze),
+    "aten.slice.Tensor": view(ix_slice),
+    "aten.select.int": view(ix_select),
+    "aten.alias.default": view(ix_identity),
+    "aten.detach.default": view(ix_identity),
+    "aten.as_strided.default": OpInfo(Kind.INJECTIVE),  # external buffers only
+    "getitem": OpInfo(Kind.INJECTIVE),
+    # reductions
+    "aten.sum.dim_IntList": red("sum"),
+    "aten.sum.default": red("sum"),
+    "aten.mean.dim": red("sum", "mean"),
+    "aten.mean.default": red("sum", "mean"),
+    "aten.prod.dim_int": red("prod"),
+    "aten.prod.default": red("prod"),
+    "aten.amax.default": red("max"),
+    "aten.amin.default": red("min"),
+    "aten.max.default": red("max"),
+    "aten.min.default": red("min"),
+    "aten.max.dim": red("argmax", "value_index"),
+    "aten.min.dim": red("argmin", "value_index"),
+    "aten.argmax.default": red("argmax", "index"),
+    "aten.argmin.default": red("argmin", "index"),
+    "aten.var.correction": red("welford", "var"),
+    "aten.var_mean.correction": red("welford", "var_mean"),
+    "aten.any.default": red("any"),
+    "aten.any.dim": red("any"),
+    "aten.any.dims": red("any"),
+    "aten.all.default": red("all"),
+    "aten.all.dim": red("all"),
+    # anchors: library calls that take a fused epilogue
+    "aten.mm.default": ANCHOR,
+    "aten.addmm.default": ANCHOR,
+    "aten.bmm.default": ANCHOR,
+    "aten.baddbmm.default": ANCHOR,
+    "aten.convolution.default": ANCHOR,
+}
+
+# Ops whose result is a view of their input (they never launch a kernel).
+VIEW_OPS = frozenset(k for k, v in OPS.items() if v.kind == Kind.INJECTIVE)
+
+
+def info(op: str) -> OpInfo:
+    return OPS.get(op, OPAQUE)
+
+
+def cast_args_for(op: str) -> Callable[[str], bool]:
+    keep = info(op).keep
+    return lambda name: name not in keep
+
+
+__all__ = ["OPS", "VIEW_OPS", "Kind", "OpInfo", "Reduction", "cast", "info"]

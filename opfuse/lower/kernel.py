@@ -1,0 +1,118 @@
+"""The backend-neutral kernel description a fused group lowers to.
+
+A kernel iterates a domain split into `outer` loop variables (the kept dimensions, run in
+parallel) and `inner` ones (the reduced dimensions; none for a pointwise kernel). Its work
+is a sequence of passes over the inner domain:
+
+    for each outer index:                      # parallel
+        pass 0: accumulate reductions, store values that need no reduction
+        finish pass-0 reductions; store reduced outputs that are now complete
+        pass 1: accumulate reductions that read pass-0 results (softmax's sum after its max),
+                store full-size outputs that read them (the normalised LayerNorm output)
+        ...
+
+Values are `scalar.Expr` DAGs whose leaves are loads (buffer, `Ix` offset), constants and
+reduction results ("acc" leaves). Renderers turn this into C or Triton; they choose no
+semantics, only syntax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..ir.index import Ix, Var
+from ..ir.scalar import Expr
+
+
+@dataclass(frozen=True)
+class Buffer:
+    name: str  # identifier in the kernel: in0, out1, ...
+    dtype: torch.dtype
+    role: str  # "in" | "out"
+    value: str  # the graph value it holds
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class Store:
+    buffer: str
+    index: Ix
+    value: Expr
+
+
+@dataclass(frozen=True)
+class Accumulate:
+    """One reduction: `value` is folded into accumulator `name` at every inner point.
+
+    combine: sum | prod | max | min | argmax | argmin | welford | any | all
+    Results are read as Expr("acc", value=(name, part)) with part one of
+    'value' (sum/prod/max/min/any/all), 'index' (argmax/argmin), 'mean', 'm2' (welford).
+    """
+
+    name: str
+    combine: str
+    value: Expr
+    acc_dtype: torch.dtype
+    position: Ix | None = None  # argmax/argmin: row-major position within the reduction
+
+
+@dataclass(frozen=True)
+class Pass:
+    accumulates: tuple[Accumulate, ...] = ()
+    stores: tuple[Store, ...] = ()  # evaluated at every inner point of this pass
+    after: tuple[Store, ...] = ()  # evaluated once per outer index after the pass
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    ops: tuple[str, ...]  # the ATen ops it fuses, in order
+    buffers: tuple[Buffer, ...]
+    outer: tuple[Var, ...]
+    inner: tuple[Var, ...]
+    passes: tuple[Pass, ...]
+    # 'pointwise' | 'rows' (each thread reduces whole rows) | 'split' (threads share a row)
+    schedule: str = "pointwise"
+    reduction_size: int = 1  # elements folded into each accumulator
+    checks: tuple[Expr, ...] = ()  # conditions that raise ZeroDivisionError when true
+    notes: dict[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def inputs(self) -> list[Buffer]:
+        return [b for b in self.buffers if b.role == "in"]
+
+    @property
+    def outputs(self) -> list[Buffer]:
+        return [b for b in self.buffers if b.role == "out"]
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(b.nbytes for b in self.inputs)
+
+    @property
+    def bytes_written(self) -> int:
+        return sum(b.nbytes for b in self.outputs)
+
+    @property
+    def outer_size(self) -> int:
+        n = 1
+        for v in self.outer:
+            n *= v.extent
+        return n
+
+    @property
+    def inner_size(self) -> int:
+        n = 1
+        for v in self.inner:
+            n *= v.extent
+        return n

@@ -1,0 +1,440 @@
+"""Lower a fused group (a set of graph nodes) to one `Kernel`.
+
+Every value the group produces is evaluated at a multi-index over the group's domain:
+
+    value(node, index) =
+        load(node, index)                       node is produced outside the group
+        value(input, view_map(index))           node is a view (permute, expand, reshape...)
+        formula(value(arg, broadcast(index))..) node is a pointwise member
+        accumulator result                      node is a reduction member; the index must
+                                                be the one the reduction was computed at
+
+Loads through views are composed into one strided (or, after reshapes, div/mod) offset, so a
+kernel reads a transposed, sliced or expanded tensor where it lies, without a copy. After
+the values are built, adjacent loop dimensions that every access walks contiguously are
+merged, so the common case becomes one flat vectorised loop.
+
+`NotFusable` says, in words, why a set of nodes cannot become one kernel; the partitioner
+uses it as its last word on a proposed fusion.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+
+from ..ir.graph import GETITEM, Graph, Node, TensorMeta, bind
+from ..ir.index import Ix, Var, address
+from ..ir.ops import Kind, info
+from ..ir.scalar import Expr, cast, const, opmath, walk
+from .kernel import Accumulate, Buffer, Kernel, Pass, Store
+
+
+class NotFusable(Exception):
+    """The nodes cannot be lowered to one kernel; str(e) says why."""
+
+
+# Ops whose whole point is a dtype conversion: their rounding is kept (see _pointwise).
+_CONVERSIONS = frozenset({"aten._to_copy.default", "prims.convert_element_type.default"})
+# Fewest elements a thread should reduce before a row is split across threads.
+SPLIT_MIN_INNER = 1 << 16
+MAX_RECOMPUTED = 8
+
+
+def reduce_dims(n: Node) -> tuple[tuple[int, ...], bool]:
+    """The dims a reduction node reduces (sorted, non-negative) and its keepdim flag."""
+    a = bind(n)
+    src = a["self"].meta
+    rank = len(src.shape)
+    dim = a.get("dim")
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        dims = tuple(range(rank))
+    elif isinstance(dim, int):
+        dims = (dim,)
+    else:
+        dims = tuple(dim)
+    norm = tuple(sorted({d + rank if d < 0 else d for d in dims})) if rank else ()
+    return norm, bool(a.get("keepdim", False))
+
+
+def acc_dtype(combine: str, dtype: torch.dtype) -> torch.dtype:
+    """Accumulator dtype: sums and variances of floats accumulate in float64, so long
+    reductions stay at least as accurate as torch's cascaded float32 sums."""
+    if combine in ("any", "all"):
+        return torch.bool
+    if combine in ("sum", "welford"):
+        if dtype.is_floating_point:
+            return torch.float64
+        return torch.int64
+    if combine == "prod" and not dtype.is_floating_point:
+        return torch.int64
+    return opmath(dtype)
+
+
+class _Lowering:
+    def __init__(self, graph: Graph, members: Iterable[Node]) -> None:
+        self.g = graph
+        self.members = set(members)
+        self.order = [n for n in graph.nodes if n in self.members]
+        self.memo: dict[tuple[Node, tuple[Ix, ...]], Expr] = {}
+        self.in_buffers: dict[Node, Buffer] = {}
+        self.accumulates: dict[Node, Accumulate] = {}
+        self.acc_results: dict[Node, tuple[Expr, ...]] = {}
+        self.checks: list[Expr] = []
+        self.recomputed: set[Node] = set()
+
+    # -- group structure --------------------------------------------------------------
+    def _used_outside(self, n: Node) -> bool:
+        if n in self.g.output_set:
+            return True
+        for u in self.g.users[n]:
+            if u in self.members:
+                continue
+            if info(u.op).kind == Kind.INJECTIVE and u.op != GETITEM:
+                # A view read inside the group is remapped; one read outside needs n stored.
+                if self._used_outside(u):
+                    return True
+                continue
+            if u.op == GETITEM and isinstance(n.meta, tuple):
+                continue  # handled per component in outputs()
+            return True
+        return False
+
+    def outputs(self) -> list[Node]:
+        outs: list[Node] = []
+        for m in self.order:
+            if isinstance(m.meta, tuple):
+                outs.extend(
+                    u for u in self.g.users[m] if u.op == GETITEM and self._used_outside(u)
+                )
+            elif self._used_outside(m):
+                outs.append(m)
+        return outs
+
+    # -- values ------------------------------------------------------------------------
+    def value(self, n: Node, idx: tuple[Ix, ...]) -> Expr:
+        key = (n, idx)
+        hit = self.memo.get(key)
+        if hit is not None:
+            return hit
+        e = self._value(n, idx)
+        self.memo[key] = e
+        return e
+
+    def _value(self, n: Node, idx: tuple[Ix, ...]) -> Expr:
+        if n.op == GETITEM and n.args[0] in self.members:
+            return self._reduced(n.args[0], n.args[1], idx)
+        if n not in self.members:
+            row = info(n.op)
+            if row.kind == Kind.INJECTIVE and row.index is not None and n.op != GETITEM:
+                src = n.args[0]
+                return self.value(src, row.index(idx, *n.args, **n.kw))
+            return self._load(n, idx)
+        row = info(n.op)
+        if row.pointwise:
+            return self._pointwise(n, idx)
+        if row.kind == Kind.REDUCTION:
+            return self._reduced(n, 0, idx)
+        raise NotFusable(f"{n.op} cannot be part of a generated kernel")
+
+    def _load(self, n: Node, idx: tuple[Ix, ...]) -> Expr:
+        m = n.meta
+        if not isinstance(m, TensorMeta):
+            raise NotFusable(f"{n.name} is not a tensor")
+        buf = self.in_buffers.get(n)
+        if buf is None:
+            buf = Buffer(f"in{len(self.in_buffers)}", m.dtype, "in", n.name, m.shape, m.stride)
+            self.in_buffers[n] = buf
+        return Expr("load", (), m.dtype, (buf.name, address(idx, m.stride)))
+
+    def _pointwise(self, n: Node, idx: tuple[Ix, ...]) -> Expr:
+        row = info(n.op)
+        out = n.tensor
+        compute = _compute_dtype(n)
+        args: dict[str, Any] = {}
+        for name, v in bind(n).items():
+            if isinstance(v, Node):
+                vm = v.tensor
+                e = self.value(v, _broadcast(idx, out.shape, vm.shape))
+                args[name] = e if name in row.keep else cast(e, compute)
+                if vm.numel < out.numel and v in self.members:
+                    self.recomputed.add(v)
+            else:
+                args[name] = v
+        assert row.formula is not None
+        res = row.formula(**args)
+        if not isinstance(res, Expr):
+            res = const(res, compute)
+        if n.op in _CONVERSIONS:
+            # An explicit conversion rounds to its dtype, as eager does; then computing
+            # continues in opmath precision.
+            res = cast(res, out.dtype)
+        if self._check_division(res):
+            pass
+        return cast(res, opmath(out.dtype))
+
+    def _check_division(self, e: Expr) -> bool:
+        from ..ir.scalar import RAISES_ON_ZERO
+
+        found = False
+        for sub in walk([e]):
+            if sub.op in RAISES_ON_ZERO and not sub.dtype.is_floating_point:
+                cond = Expr("eq", (sub.args[1], const(0, sub.args[1].dtype)), torch.bool)
+                if cond not in self.checks:
+                    self.checks.append(cond)
+                found = True
+        return found
+
+    # -- reductions ----------------------------------------------------------------------
+    def _reduced(self, r: Node, part: int, idx: tuple[Ix, ...]) -> Expr:
+        results = self._accumulate(r)
+        metas = r.meta if isinstance(r.meta, tuple) else (r.meta,)
+        want = self._kept_index(metas[part].shape)
+        if tuple(idx) != want:
+            raise NotFusable(
+                f"the result of {r.name} is read at another position than it is computed at"
+            )
+        return results[part]
+
+    def _kept_index(self, shape: tuple[int, ...]) -> tuple[Ix, ...]:
+        full = self.full_index
+        if len(shape) == len(full):
+            return tuple(Ix() if d in self.dims else full[d] for d in range(len(full)))
+        return tuple(full[d] for d in range(len(full)) if d not in self.dims)
+
+    def _accumulate(self, r: Node) -> tuple[Expr, ...]:
+        hit = self.acc_results.get(r)
+        if hit is not None:
+            return hit
+        red = info(r.op).reduction
+        assert red is not None
+        a = bind(r)
+        src = a["self"]
+        x = self.value(src, self.full_index)
+        in_dtype = src.tensor.dtype
+        adt = acc_dtype(red.combine, in_dtype)
+        name = f"acc{len(self.accumulates)}"
+        value = x if red.combine in ("argmax", "argmin", "max", "min") else cast(x, adt)
+        if red.combine in ("argmax", "argmin", "max", "min"):
+            value = cast(x, opmath(in_dtype))
+        position = None
+        if red.combine in ("argmax", "argmin"):
+            position = Ix()
+            for d in self.dims:
+                position = position * self.full_shape[d] + self.full_index[d]
+        self.accumulates[r] = Accumulate(name, red.combine, value, adt, position)
+        count = self.reduction_size
+        metas = r.meta if isinstance(r.meta, tuple) else (r.meta,)
+        out_t = [opmath(m.dtype) for m in metas]
+
+        def acc(part: str, dtype: torch.dtype) -> Expr:
+            return Expr("acc", (), dtype, (name, part))
+
+        vdt = value.dtype
+        if red.result == "value":
+            results: tuple[Expr, ...] = (cast(acc("value", adt), out_t[0]),)
+        elif red.result == "mean":
+            results = (cast(acc("value", adt) / count, out_t[0]),)
+        elif red.result == "index":
+            results = (acc("index", torch.int64),)
+        elif red.result == "value_index":
+            results = (cast(acc("value", vdt), out_t[0]), acc("index", torch.int64))
+        else:  # welford: var, or (var, mean)
+            corr = a.get("correction")
+            corr = 1 if corr is None else corr
+            denom = max(count - corr, 0)
+            var = cast(acc("m2", adt) / const(denom, adt), out_t[0])
+            if red.result == "var":
+                results = (var,)
+            else:
+                results = (var, cast(acc("mean", adt), out_t[1]))
+        self.acc_results[r] = results
+        return results
+
+    # -- the whole kernel ------------------------------------------------------------------
+    def run(self) -> Kernel:
+        if not self.order:
+            raise NotFusable("empty group")
+        outs = self.outputs()
+        if not outs:
+            raise NotFusable("the group produces nothing that is used")
+        reductions = [m for m in self.order if info(m.op).kind == Kind.REDUCTION]
+        if reductions:
+            self._reduction_domain(reductions)
+        else:
+            shapes = {o.tensor.shape for o in outs}
+            if len(shapes) > 1:
+                raise NotFusable(f"outputs have different shapes {sorted(shapes)}")
+            self.full_shape = outs[0].tensor.shape
+            self.dims = ()
+            self.full_vars = tuple(Var(f"i{d}", s) for d, s in enumerate(self.full_shape))
+            self.full_index = tuple(Ix.var(v) for v in self.full_vars)
+        self.reduction_size = 1
+        for d in self.dims:
+            self.reduction_size *= self.full_shape[d]
+
+        out_buffers: list[Buffer] = []
+        roots: list[tuple[Buffer, tuple[Ix, ...], Expr]] = []
+        for k, o in enumerate(outs):
+            m = o.tensor
+            if m.shape == self.full_shape:
+                idx = self.full_index
+            elif reductions and m.shape in (self._kept_shape(True), self._kept_shape(False)):
+                idx = self._kept_index(m.shape)
+            else:
+                raise NotFusable(
+                    f"output {o.name} has shape {list(m.shape)}, the group computes "
+                    f"{list(self.full_shape)}"
+                )
+            buf = Buffer(f"out{k}", m.dtype, "out", o.name, m.shape, m.stride)
+            out_buffers.append(buf)
+            roots.append((buf, idx, cast(self.value(o, idx), m.dtype)))
+        if len(self.recomputed) > MAX_RECOMPUTED:
+            raise NotFusable(
+                f"{len(self.recomputed)} broadcast values would be recomputed for every element"
+            )
+        passes = self._passes(roots)
+        kernel = Kernel(
+            name=kernel_name(self.order),
+            ops=tuple(m.op for m in self.order),
+            buffers=tuple(self.in_buffers.values()) + tuple(out_buffers),
+            outer=tuple(v for d, v in enumerate(self.full_vars) if d not in self.dims),
+            inner=tuple(v for d, v in enumerate(self.full_vars) if d in self.dims),
+            passes=passes,
+            schedule="pointwise" if not self.dims else "rows",
+            reduction_size=self.reduction_size,
+            checks=tuple(self.checks),
+        )
+        return schedule(kernel)
+
+    def _kept_shape(self, keepdim: bool) -> tuple[int, ...]:
+        if keepdim:
+            return tuple(1 if d in self.dims else s for d, s in enumerate(self.full_shape))
+        return tuple(s for d, s in enumerate(self.full_shape) if d not in self.dims)
+
+    def _reduction_domain(self, reductions: list[Node]) -> None:
+        first = reductions[0]
+        shape = bind(first)["self"].tensor.shape
+        dims, _ = reduce_dims(first)
+        for r in reductions[1:]:
+            s2 = bind(r)["self"].tensor.shape
+            d2, _ = reduce_dims(r)
+            if s2 != shape or d2 != dims:
+                raise NotFusable(
+                    f"{r.name} reduces dims {list(d2)} of {list(s2)}, "
+                    f"{first.name} reduces dims {list(dims)} of {list(shape)}"
+                )
+        self.full_shape = shape
+        self.dims = dims
+        self.full_vars = tuple(Var(f"i{d}", s) for d, s in enumerate(shape))
+        self.full_index = tuple(Ix.var(v) for v in self.full_vars)
+
+    def _passes(self, roots: list[tuple[Buffer, tuple[Ix, ...], Expr]]) -> tuple[Pass, ...]:
+        stage: dict[str, int] = {}
+        by_name = {a.name: a for a in self.accumulates.values()}
+
+        def deps(e: Expr) -> int:
+            """Pass after which every accumulator `e` reads is complete (-1: none)."""
+            best = -1
+            for sub in walk([e]):
+                if sub.op == "acc":
+                    best = max(best, stage_of(sub.value[0]))
+            return best
+
+        def stage_of(name: str) -> int:
+            if name not in stage:
+                stage[name] = deps(by_name[name].value) + 1
+            return stage[name]
+
+        for a in self.accumulates.values():
+            stage_of(a.name)
+        n_passes = max([*stage.values(), 0]) + 1
+        inner_stores: list[list[Store]] = [[] for _ in range(n_passes + 1)]
+        after: list[list[Store]] = [[] for _ in range(n_passes + 1)]
+        full = set(self.full_index) - {Ix()}
+        for buf, idx, e in roots:
+            st = Store(buf.name, address(idx, buf.stride), e)
+            d = deps(e)
+            reads_inner = not self.dims or any(i in full for i in idx) and _depends_on_inner(
+                idx, self.dims, self.full_index
+            )
+            if reads_inner:
+                inner_stores[d + 1].append(st)
+            else:
+                after[max(d, 0)].append(st)
+        while n_passes > 1 and not inner_stores[n_passes - 1] and not any(
+            s == n_passes - 1 for s in stage.values()
+        ):
+            n_passes -= 1
+        if inner_stores[n_passes]:
+            n_passes += 1
+        return tuple(
+            Pass(
+                tuple(a for a in self.accumulates.values() if stage[a.name] == p),
+                tuple(inner_stores[p]),
+                tuple(after[p]),
+            )
+            for p in range(n_passes)
+        )
+
+
+def _depends_on_inner(idx: tuple[Ix, ...], dims: tuple[int, ...], full: tuple[Ix, ...]) -> bool:
+    return any(idx[d] == full[d] and full[d] != Ix() for d in dims if d < len(idx))
+
+
+def _broadcast(idx: tuple[Ix, ...], out: Sequence[int], arg: Sequence[int]) -> tuple[Ix, ...]:
+    lead = len(out) - len(arg)
+    return tuple(Ix() if arg[k] == 1 else idx[k + lead] for k in range(len(arg)))
+
+
+def _compute_dtype(n: Node) -> torch.dtype:
+    """Pointwise ops compute in opmath of their result; predicates in their operands' type."""
+    out = n.tensor.dtype
+    if out != torch.bool:
+        return opmath(out)
+    metas = []
+    for name, v in bind(n).items():
+        if name in info(n.op).keep:
+            continue
+        if isinstance(v, Node):
+            metas.append(torch.empty(v.tensor.shape and (1,) * len(v.tensor.shape),
+                                     dtype=v.tensor.dtype, device="meta"))
+        elif isinstance(v, (bool, int, float)):
+            metas.append(v)
+    if not metas:
+        return torch.bool
+    t = metas[0] if len(metas) == 1 else _result_type(metas)
+    return opmath(t.dtype if isinstance(t, torch.Tensor) else t)
+
+
+def _result_type(args: list[Any]) -> torch.dtype:
+    t = args[0]
+    dt = torch.result_type(t, args[1]) if not isinstance(t, torch.Tensor) or True else t.dtype
+    for a in args[2:]:
+        dt = torch.promote_types(dt, torch.result_type(a, a) if False else dt)
+    return dt
+
+
+def kernel_name(nodes: Sequence[Node], limit: int = 5) -> str:
+    """Named after its contents, TVM style: fused_add_mul_relu."""
+    names: list[str] = []
+    for n in nodes:
+        short = n.op.split(".")[1] if "." in n.op else n.op
+        short = short.strip("_")
+        if short not in names:
+            names.append(short)
+    extra = len(names) - limit
+    return "fused_" + "_".join(names[:limit]) + (f"_and_{extra}_more" if extra > 0 else "")
+
+
+def lower_group(graph: Graph, members: Iterable[Node]) -> Kernel:
+    """Lower one fused group; raises NotFusable with the reason when it cannot be."""
+    return _Lowering(graph, members).run()
+
+
+def schedule(kernel: Kernel) -> Kernel:
+    from .schedule import finalize
+
+    return finalize(kernel)

@@ -1,0 +1,182 @@
+"""Loop order, loop merging and the parallel schedule of a lowered kernel.
+
+Dimensions are ordered so that the innermost loop walks the primary access (the first
+output of a pointwise kernel, the largest input of a reduction) with the smallest stride;
+then adjacent dimensions are merged wherever every access walks them as one, e.g. a
+contiguous [64, 768] elementwise kernel becomes one loop of 49152 iterations. Loop
+variables are then renamed x0.. (outer, parallel) and r0.. (inner, reduced).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+
+from ..ir.index import Ix, Var
+from ..ir.scalar import Expr, walk
+from .kernel import Accumulate, Kernel, Pass, Store
+
+# A reduction whose rows are too few to keep every thread busy splits each row.
+SPLIT_MAX_OUTER = 16
+SPLIT_MIN_INNER = 1 << 15
+
+
+def accesses(k: Kernel) -> list[tuple[str, Ix]]:
+    out: list[tuple[str, Ix]] = []
+    roots: list[Expr] = []
+    for p in k.passes:
+        roots.extend(a.value for a in p.accumulates)
+        roots.extend(s.value for s in (*p.stores, *p.after))
+        out.extend((s.buffer, s.index) for s in (*p.stores, *p.after))
+        out.extend(("<position>", a.position) for a in p.accumulates if a.position is not None)
+    for e in walk(roots):
+        if e.op == "load":
+            out.append(e.value)
+    return out
+
+
+def _blocked(ixs: Sequence[Ix]) -> set[Var]:
+    """Variables used inside div/mod: they keep their own loop."""
+    out: set[Var] = set()
+    for ix in ixs:
+        for atom, _ in ix.terms:
+            if not isinstance(atom, Var):
+                out |= atom.x.variables()
+    return out
+
+
+def _mergeable(group: list[Var], v: Var, ixs: Sequence[Ix]) -> bool:
+    inner = group[-1]
+    return all(ix.coef(inner) == ix.coef(v) * v.extent for ix in ixs)
+
+
+def finalize(k: Kernel) -> Kernel:
+    ixs = [ix for _, ix in accesses(k)]
+    outs = k.outputs
+    primary_store: Ix | None = None
+    for p in k.passes:
+        for s in (*p.stores, *p.after):
+            if outs and s.buffer == outs[0].name:
+                primary_store = s.index
+    primary_outer = primary_store
+    primary_inner = _largest_load(k)
+    outer_groups = _groups(k.outer, ixs, primary_outer)
+    inner_groups = _groups(k.inner, ixs, primary_inner if k.inner else None)
+    rename: dict[Var, tuple[Var, int]] = {}  # old var -> (new var, coefficient scale)
+    new_outer = _name_groups(outer_groups, "x", rename)
+    new_inner = _name_groups(inner_groups, "r", rename)
+
+    def fix(ix: Ix) -> Ix:
+        return rewrite_ix(ix, rename)
+
+    k2 = map_indices(k, fix)
+    sched = k.schedule
+    if k.inner:
+        outer_n = k2.outer_size if new_outer else 1
+        sched = "split" if outer_n < SPLIT_MAX_OUTER and k.inner_size >= SPLIT_MIN_INNER else "rows"
+    return replace(k2, outer=tuple(new_outer), inner=tuple(new_inner), schedule=sched)
+
+
+def _largest_load(k: Kernel) -> Ix | None:
+    best: tuple[int, Ix] | None = None
+    sizes = {b.name: b.nbytes for b in k.buffers}
+    for buf, ix in accesses(k):
+        if buf.startswith("in"):
+            n = sizes.get(buf, 0)
+            if best is None or n > best[0]:
+                best = (n, ix)
+    return best[1] if best else None
+
+
+def _groups(vars_: Sequence[Var], ixs: Sequence[Ix], primary: Ix | None) -> list[list[Var]]:
+    live = [v for v in vars_ if v.extent > 1]
+    if primary is not None:
+        pos = {v: i for i, v in enumerate(live)}
+        walked = sorted((v for v in live if primary.coef(v)), key=lambda v: (-abs(primary.coef(v)), pos[v]))
+        rest = [v for v in live if not primary.coef(v)]
+        live = rest + walked
+    blocked = _blocked(ixs)
+    groups: list[list[Var]] = []
+    for v in live:
+        if (
+            groups
+            and v not in blocked
+            and groups[-1][-1] not in blocked
+            and _mergeable(groups[-1], v, ixs)
+        ):
+            groups[-1].append(v)
+        else:
+            groups.append([v])
+    return groups
+
+
+def _name_groups(groups: list[list[Var]], prefix: str, rename: dict[Var, tuple[Var, int]]) -> list[Var]:
+    out: list[Var] = []
+    for i, g in enumerate(groups):
+        extent = 1
+        for v in g:
+            extent *= v.extent
+        nv = Var(f"{prefix}{i}", extent)
+        out.append(nv)
+        # Old variable v contributes coef(v) * v; after merging, the group's innermost
+        # variable carries coefficient c and v's coefficient is c * (extent of the vars
+        # inside it), so every term maps to new_var * (coef(v) / scale(v)).
+        scale = 1
+        for v in reversed(g):
+            rename[v] = (nv, scale)
+            scale *= v.extent
+    return out
+
+
+def rewrite_ix(ix: Ix, rename: dict[Var, tuple[Var, int]]) -> Ix:
+    out = Ix.of(ix.const)
+    merged: dict[Var, int] = {}
+    for atom, c in ix.terms:
+        if isinstance(atom, Var):
+            nv, scale = rename[atom]
+            # coefficient of the new variable: c / scale (exact when mergeable)
+            merged[nv] = c // scale if scale > 1 else c
+        else:
+            env = {v: Ix.var(rename[v][0]) for v in atom.x.variables()}
+            out = out + Ix(((atom, c),)).substitute(env)
+    for nv, c in merged.items():
+        out = out + Ix.var(nv) * c
+    return out
+
+
+def map_indices(k: Kernel, fix: Callable[[Ix], Ix]) -> Kernel:
+    memo: dict[Expr, Expr] = {}
+
+    def expr(e: Expr) -> Expr:
+        hit = memo.get(e)
+        if hit is not None:
+            return hit
+        if e.op == "load":
+            buf, ix = e.value
+            new = Expr("load", (), e.dtype, (buf, fix(ix)))
+        elif e.args:
+            new = Expr(e.op, tuple(expr(a) for a in e.args), e.dtype, e.value)
+        else:
+            new = e
+        memo[e] = new
+        return new
+
+    passes = []
+    for p in k.passes:
+        passes.append(
+            Pass(
+                tuple(
+                    Accumulate(
+                        a.name,
+                        a.combine,
+                        expr(a.value),
+                        a.acc_dtype,
+                        fix(a.position) if a.position is not None else None,
+                    )
+                    for a in p.accumulates
+                ),
+                tuple(Store(s.buffer, fix(s.index), expr(s.value)) for s in p.stores),
+                tuple(Store(s.buffer, fix(s.index), expr(s.value)) for s in p.after),
+            )
+        )
+    return replace(k, passes=tuple(passes), checks=tuple(expr(c) for c in k.checks))

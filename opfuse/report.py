@@ -1,0 +1,113 @@
+"""FusionReport: what got fused, what did not, and why."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class GroupReport:
+    id: int
+    pattern: str  # elementwise | reduction | gemm_epilogue | conv_epilogue | library | fallback
+    kernel: str  # generated kernel name, or the library/torch op it calls
+    ops: list[str]  # ATen op names, in order
+    nodes: list[str]  # graph value names
+    modules: list[str]  # qualified names of the nn.Modules the ops came from
+    sources: list[str]  # "module (file.py:line)" per op
+    reason: str = ""  # fallback: why it runs with torch
+    bytes_read: int = 0
+    bytes_written: int = 0
+    intermediates_saved: list[str] = field(default_factory=list)  # kept out of memory
+    bytes_saved: int = 0  # intermediate traffic (write + read) the fusion avoids
+    implementation: str = ""  # which implementation runs (epilogues) and why
+    source_code: str = ""  # generated kernel source
+
+
+@dataclass
+class FoldReport:
+    conv: str  # module (or node) the BatchNorm was folded into
+    batchnorm: str
+
+
+@dataclass
+class RejectReport:
+    producer: str
+    consumer: str
+    reason: str
+
+
+@dataclass
+class FusionReport:
+    kernels_before: int = 0
+    kernels_after: int = 0
+    groups: list[GroupReport] = field(default_factory=list)
+    folds: list[FoldReport] = field(default_factory=list)
+    rejected: list[RejectReport] = field(default_factory=list)
+    bytes_before: int = 0  # intermediate memory traffic eager would have
+    bytes_after: int = 0
+    compile_seconds: float = 0.0
+    cached: bool = False  # kernels came from the disk cache
+    warnings: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self, **kw: Any) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+    def merge(self, other: FusionReport) -> FusionReport:
+        """Combine the reports of several graphs (dynamo graph breaks, forward+backward)."""
+        base = len(self.groups)
+        groups = list(self.groups)
+        for g in other.groups:
+            groups.append(GroupReport(**{**asdict(g), "id": g.id + base}))
+        return FusionReport(
+            self.kernels_before + other.kernels_before,
+            self.kernels_after + other.kernels_after,
+            groups,
+            self.folds + other.folds,
+            self.rejected + other.rejected,
+            self.bytes_before + other.bytes_before,
+            self.bytes_after + other.bytes_after,
+            self.compile_seconds + other.compile_seconds,
+            self.cached and other.cached,
+            self.warnings + other.warnings,
+        )
+
+    def patterns(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for g in self.groups:
+            out[g.pattern] = out.get(g.pattern, 0) + 1
+        return out
+
+    def __str__(self) -> str:
+        return format_table(self)
+
+
+def format_table(r: FusionReport, width: int = 100) -> str:
+    """A plain-text table (the CLI renders a richer one with colours)."""
+    lines = [
+        f"opfuse: {r.kernels_before} kernels before -> {r.kernels_after} after "
+        f"({len(r.folds)} BatchNorm folds, {len(r.rejected)} fusions refused)",
+        f"{'#':>3}  {'pattern':<14} {'kernel':<34} ops",
+    ]
+    for g in r.groups:
+        ops = ", ".join(_short(o) for o in g.ops)
+        text = f"{g.id:>3}  {g.pattern:<14} {g.kernel[:34]:<34} {ops}"
+        if len(text) > width:
+            text = text[: width - 3] + "..."
+        lines.append(text)
+        if g.reason:
+            lines.append(f"{'':>5}{'':<14} why: {g.reason}")
+    for f in r.folds:
+        lines.append(f"fold: {f.batchnorm} -> {f.conv}")
+    for rej in r.rejected:
+        lines.append(f"not fused: {rej.producer} -> {rej.consumer}: {rej.reason}")
+    return "\n".join(lines)
+
+
+def _short(op: str) -> str:
+    parts = op.split(".")
+    return parts[1] if len(parts) > 1 else op

@@ -1,0 +1,1 @@
+"""Graph -> Graph passes that run before fusion."""

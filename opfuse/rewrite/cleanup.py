@@ -1,0 +1,51 @@
+"""Constant folding: pointwise ops and views whose inputs are all frozen constants are
+evaluated once at compile time (e.g. the per-channel scale of an inference BatchNorm)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..ir.graph import CONSTANT, GETITEM, Graph, GraphBuilder, Node, TensorMeta
+from ..ir.ops import Kind, info
+
+MAX_FOLD_NUMEL = 1 << 22
+
+
+def fold_constants(graph: Graph) -> Graph:
+    if not graph.constants:
+        return graph
+    b = GraphBuilder().copy_from(graph)
+    values: dict[Node, torch.Tensor] = {}
+    for n in graph.nodes:
+        if n.op == CONSTANT:
+            new = b.copy(n)
+            values[new] = graph.constants[n.name]
+            continue
+        row = info(n.op)
+        foldable = (
+            n.op != GETITEM
+            and (row.pointwise or (row.kind == Kind.INJECTIVE and row.index is not None))
+            and isinstance(n.meta, TensorMeta)
+            and n.meta.numel <= MAX_FOLD_NUMEL
+            and n.inputs()
+            and all(b.get(i) in values for i in n.inputs())
+        )
+        if not foldable:
+            b.copy(n)
+            continue
+        args = _sub(n.args, b, values)
+        kwargs = {k: _sub(v, b, values) for k, v in n.kwargs}
+        with torch.no_grad():
+            t = n.target(*args, **kwargs)
+        new = b.constant(t, n.name, n.source)
+        values[new] = t
+        b.replace(n, new)
+    return b.build(graph.outputs)
+
+
+def _sub(v: object, b: GraphBuilder, values: dict[Node, torch.Tensor]) -> object:
+    if isinstance(v, Node):
+        return values[b.get(v)]
+    if isinstance(v, (list, tuple)):
+        return type(v)(_sub(x, b, values) for x in v)
+    return v

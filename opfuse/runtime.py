@@ -1,0 +1,191 @@
+"""Run a compiled graph: fused kernels, library calls and torch fallbacks, in order.
+
+Memory plan: every value lives in a slot of an environment list. Outputs of fused kernels
+that never leave the graph (intermediates) are assigned to pooled buffers by a greedy
+best-fit over their lifetimes; the pool is allocated on a thread's first call and reused on
+every later call, so a warm call allocates nothing but the caller's fresh outputs. Values
+that escape (graph outputs, or anything a view of which is an output, or that a torch op
+might alias) are allocated fresh on every call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .ir.graph import TensorMeta
+
+
+@dataclass
+class KernelStep:
+    name: str
+    fn: Any  # ctypes function: int fn(void **args, int nthreads)
+    inputs: list[int]  # env slots, in kernel buffer order
+    input_meta: list[TensorMeta]
+    check_inputs: list[bool]  # produced by torch: layout must be confirmed at run time
+    outputs: list[int]
+    output_meta: list[TensorMeta]
+    pooled: list[int | None]  # per output: pool block index, None if allocated fresh
+
+    def describe(self) -> str:
+        return self.name
+
+
+@dataclass
+class TorchStep:
+    name: str
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]  # with Slot markers
+    kwargs: dict[str, Any]
+    output: int
+
+    def describe(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class Slot:
+    index: int
+
+
+Step = KernelStep | TorchStep
+
+
+@dataclass
+class Plan:
+    n_slots: int
+    input_slots: list[int]
+    output_slots: list[int | None]
+    constants: dict[int, Any]
+    steps: list[Step]
+    pool_sizes: list[int]  # bytes per pooled block
+    pool_views: dict[tuple[int, int], TensorMeta] = field(default_factory=dict)  # (step, out)
+
+
+class _Frame(threading.local):
+    """Per-thread state: the pooled intermediates and prebuilt kernel argument arrays."""
+
+    ready: bool = False
+
+
+class Runtime:
+    """Executes a Plan. Calling it with the graph's inputs returns the graph's outputs."""
+
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self._frame = _Frame()
+
+    def _prepare(self) -> _Frame:
+        f = self._frame
+        plan = self.plan
+        blocks = [torch.empty(max(n, 1), dtype=torch.uint8) for n in plan.pool_sizes]
+        f.blocks = blocks
+        f.views = {}
+        f.arrays = []
+        for si, step in enumerate(plan.steps):
+            if not isinstance(step, KernelStep):
+                f.arrays.append(None)
+                continue
+            arr = (ctypes.c_void_p * (len(step.inputs) + len(step.outputs)))()
+            for oi, blk in enumerate(step.pooled):
+                if blk is None:
+                    continue
+                m = step.output_meta[oi]
+                t = _typed(blocks[blk], m)
+                f.views[(si, oi)] = t
+                arr[len(step.inputs) + oi] = t.data_ptr()
+            f.arrays.append(arr)
+        f.ready = True
+        return f
+
+    def __call__(self, inputs: Sequence[Any]) -> list[Any]:
+        f = self._frame if self._frame.ready else self._prepare()
+        plan = self.plan
+        env: list[Any] = [None] * plan.n_slots
+        for k, v in plan.constants.items():
+            env[k] = v
+        for s, v in zip(plan.input_slots, inputs):
+            env[s] = v
+        nthreads = torch.get_num_threads()
+        for si, step in enumerate(plan.steps):
+            if type(step) is KernelStep:
+                arr = f.arrays[si]
+                n_in = len(step.inputs)
+                for i, s in enumerate(step.inputs):
+                    t = env[s]
+                    if step.check_inputs[i]:
+                        t = env[s] = _conform(t, step.input_meta[i])
+                    arr[i] = t.data_ptr()
+                for oi, s in enumerate(step.outputs):
+                    if step.pooled[oi] is None:
+                        m = step.output_meta[oi]
+                        t = torch.empty_strided(m.shape, m.stride, dtype=m.dtype)
+                        arr[n_in + oi] = t.data_ptr()
+                    else:
+                        t = f.views[(si, oi)]
+                    env[s] = t
+                if step.fn(arr, nthreads):
+                    raise ZeroDivisionError(f"integer division by zero in {step.name}")
+            else:
+                args = _resolve(step.args, env)
+                kwargs = {k: _resolve(v, env) for k, v in step.kwargs.items()}
+                env[step.output] = step.fn(*args, **kwargs)
+        return [env[s] if s is not None else None for s in plan.output_slots]
+
+
+def _typed(block: torch.Tensor, m: TensorMeta) -> torch.Tensor:
+    n = (block.numel() // m.dtype.itemsize) * m.dtype.itemsize
+    return block[:n].view(m.dtype).as_strided(m.shape, m.stride)
+
+
+def _resolve(v: Any, env: list[Any]) -> Any:
+    if type(v) is Slot:
+        return env[v.index]
+    if type(v) in (list, tuple):
+        return type(v)(_resolve(x, env) for x in v)
+    return v
+
+
+def _conform(t: torch.Tensor, m: TensorMeta) -> torch.Tensor:
+    """Kernels are generated for exact strides; a tensor torch produced with other strides
+    (rare: meta functions predict them) is copied into the expected layout."""
+    if tuple(t.stride()) == m.stride and t.dtype == m.dtype and tuple(t.shape) == m.shape:
+        return t
+    out = torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
+# -- building a plan -----------------------------------------------------------------------
+def assign_pool(lifetimes: list[tuple[int, int, int]]) -> tuple[list[int | None], list[int]]:
+    """Best-fit block assignment. lifetimes: (first step, last step, nbytes) per buffer.
+    Returns the block of each buffer and the block sizes."""
+    order = sorted(range(len(lifetimes)), key=lambda i: lifetimes[i][0])
+    blocks: list[int] = []
+    free_at: list[int] = []  # step after which each block is free
+    result: list[int | None] = [None] * len(lifetimes)
+    for i in order:
+        start, end, size = lifetimes[i]
+        best = None
+        for b in range(len(blocks)):
+            if free_at[b] < start and (best is None or _fit(blocks[b], size) < _fit(blocks[best], size)):
+                best = b
+        if best is None:
+            blocks.append(size)
+            free_at.append(end)
+            result[i] = len(blocks) - 1
+        else:
+            blocks[best] = max(blocks[best], size)
+            free_at[best] = end
+            result[i] = best
+    return result, blocks
+
+
+def _fit(block: int, size: int) -> int:
+    """Smaller is better: waste if the block is big enough, else the growth needed."""
+    return block - size if block >= size else (size - block) * 4
