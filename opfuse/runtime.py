@@ -11,6 +11,7 @@ might alias) are allocated fresh on every call.
 from __future__ import annotations
 
 import ctypes
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -100,6 +101,7 @@ class Runtime:
                 f.views[(si, oi)] = t
                 arr[len(step.inputs) + oi] = t.data_ptr()
             f.arrays.append(arr)
+        f.recycle = {}
         f.ready = True
         return f
 
@@ -123,8 +125,7 @@ class Runtime:
                     arr[i] = t.data_ptr()
                 for oi, s in enumerate(step.outputs):
                     if step.pooled[oi] is None:
-                        m = step.output_meta[oi]
-                        t = torch.empty_strided(m.shape, m.stride, dtype=m.dtype)
+                        t = _fresh(f.recycle, (si, oi), step.output_meta[oi])
                         arr[n_in + oi] = t.data_ptr()
                     else:
                         t = f.views[(si, oi)]
@@ -136,6 +137,28 @@ class Runtime:
                 kwargs = {k: _resolve(v, env) for k, v in step.kwargs.items()}
                 env[step.output] = step.fn(*args, **kwargs)
         return [env[s] if s is not None else None for s in plan.output_slots]
+
+
+# References to a recycled output while nobody else holds it: the cache entry, the local
+# name and getrefcount's argument.
+_FREE_REFS = 3
+_storage_use_count = torch._C._storage_Use_Count
+
+
+def _fresh(cache: dict[tuple[int, int], torch.Tensor], key: tuple[int, int], m: TensorMeta) -> torch.Tensor:
+    """A new output tensor. The one returned by the previous call is reused when the caller
+    has dropped it and every view of it (a caching allocator: large fresh allocations cost
+    page faults on every call)."""
+    t = cache.get(key)
+    if (
+        t is not None
+        and sys.getrefcount(t) <= _FREE_REFS
+        and _storage_use_count(t.untyped_storage()._cdata) <= 2
+    ):
+        return t
+    t = torch.empty_strided(m.shape, m.stride, dtype=m.dtype)
+    cache[key] = t
+    return t
 
 
 def _typed(block: torch.Tensor, m: TensorMeta) -> torch.Tensor:

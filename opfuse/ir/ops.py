@@ -104,7 +104,8 @@ GELU_KAPPA = 0.044715
 GELU_PDF = (2.0 / math.sqrt(math.pi)) * SQRT1_2 * 0.5
 
 
-def gelu(x: Expr, approximate: str = "none") -> Expr:
+def gelu(self: Expr, approximate: str = "none") -> Expr:
+    x = self
     if approximate == "tanh":
         return 0.5 * x * (1 + tanh(GELU_TANH_BETA * (x + GELU_KAPPA * (x * x * x))))
     return x * 0.5 * (1 + call("erf", x * SQRT1_2))

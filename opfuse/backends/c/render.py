@@ -357,7 +357,8 @@ def _combine_lanes(a: Accumulate, lines: list[str], indent: str) -> None:
 
 
 def _pass_body(
-    em: Emitter, p: Pass, inner: Sequence[Var], lines: list[str], indent: str, split: bool
+    em: Emitter, p: Pass, inner: Sequence[Var], lines: list[str], indent: str, split: bool,
+    number: int = 0,
 ) -> None:
     """Loops over the inner domain of one pass; the last inner variable is walked in lanes.
     In the split schedule the first inner variable runs over this thread's [lo, hi)."""
@@ -387,7 +388,7 @@ def _pass_body(
         em.scopes.pop()
         lines.append(f"{ind}}}")
     else:
-        b = f"{last.name}_b"
+        b = f"{last.name}_b{number}"
         lines.append(f"{ind}int64_t {b} = {start};")
         lines.append(f"{ind}for (; {b} + {LANES} <= {stop}; {b} += {LANES}) {{")
         for a in accs:
@@ -449,8 +450,8 @@ def _rows(k: Kernel, lines: list[str]) -> None:
         indent += "  "
     em = Emitter([{}], [0])
     em.scopes.append({})
-    for p in k.passes:
-        _pass_body(em, p, k.inner, lines, indent, split=False)
+    for number, p in enumerate(k.passes):
+        _pass_body(em, p, k.inner, lines, indent, split=False, number=number)
         for a in p.accumulates:
             _combine_lanes(a, lines, indent)
             _publish(em, a)
@@ -481,8 +482,8 @@ def _split(k: Kernel, lines: list[str]) -> None:
         indent += "  "
     em = Emitter([{}], [0])
     em.scopes.append({})
-    for p in k.passes:
-        _pass_body(em, p, k.inner, lines, indent, split=True)
+    for number, p in enumerate(k.passes):
+        _pass_body(em, p, k.inner, lines, indent, split=True, number=number)
         for a in p.accumulates:
             _combine_lanes(a, lines, indent)
             for part, _ in _results(a):
