@@ -17,6 +17,7 @@ import functools
 import operator
 import os
 import re
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -132,9 +133,12 @@ def capture_module(
     box: list[structure.Spec] = []
     flat = _Flat(model, box)
     try:
-        ep = torch.export.export(flat, tuple(args), kwargs, strict=False)
-        eager_kernels = count_eager_kernels(ep.graph_module)
-        ep = ep.run_decompositions(decompositions())
+        with warnings.catch_warnings():
+            # torch.export's internals raise deprecation warnings users cannot act on.
+            warnings.simplefilter("ignore", FutureWarning)
+            ep = torch.export.export(flat, tuple(args), kwargs, strict=False)
+            eager_kernels = count_eager_kernels(ep.graph_module)
+            ep = ep.run_decompositions(decompositions())
     except Exception as e:  # export fails for many reasons; callers fall back to dynamo
         raise CaptureError(f"torch.export could not trace the model: {type(e).__name__}: {e}") from e
     from torch.export.graph_signature import InputKind, OutputKind

@@ -131,7 +131,8 @@ class Runtime:
                         t = f.views[(si, oi)]
                     env[s] = t
                 if step.fn(arr, nthreads):
-                    raise ZeroDivisionError(f"integer division by zero in {step.name}")
+                    # torch raises this very error for integer division by zero
+                    raise RuntimeError("ZeroDivisionError")
             else:
                 args = _resolve(step.args, env)
                 kwargs = {k: _resolve(v, env) for k, v in step.kwargs.items()}

@@ -47,8 +47,8 @@ class Partition:
 def check_partition(graph: Graph, part: Partition) -> None:
     """A sanity check (hidet style): every compute node that is not a view is in exactly
     one group, and groups are listed after the groups they read from."""
-    from ..ir.ops import Kind, info
     from ..ir.graph import CONSTANT, GETITEM, INPUT
+    from ..ir.ops import Kind, info, is_generator
 
     owner: dict[Node, int] = {}
     for i, g in enumerate(part.groups):
@@ -58,7 +58,7 @@ def check_partition(graph: Graph, part: Partition) -> None:
     for n in graph.nodes:
         if n.op in (INPUT, CONSTANT) or n.op == GETITEM:
             continue
-        if info(n.op).kind == Kind.INJECTIVE and n not in owner:
+        if n not in owner and (info(n.op).kind == Kind.INJECTIVE or is_generator(n)):
             continue
         assert n in owner, f"{n.name} is in no group"
     for i, g in enumerate(part.groups):

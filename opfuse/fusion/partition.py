@@ -25,10 +25,11 @@ path G -> c -> d through a node outside both groups.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 
 from ..ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta
-from ..ir.ops import Kind, info
+from ..ir.ops import Kind, info, is_generator
 from ..lower.lowering import NotFusable, lower_group
 from .classify import Classified
 from .groups import Group, Partition, Rejection
@@ -107,8 +108,8 @@ class _Partitioner:
     def run(self) -> Partition:
         for n in self.g.nodes:
             k = self.kinds.get(n)
-            if k is None or k == Kind.INJECTIVE:
-                continue
+            if k is None or k == Kind.INJECTIVE or (k <= Kind.BROADCAST and is_generator(n)):
+                continue  # views and generators are computed where they are read
             self._new_group(n)
             if self.fusable(n):
                 self._fuse_producers(n)
@@ -178,8 +179,11 @@ class _Partitioner:
         for gid, nodes in self.members.items():
             if not all(self.kinds.get(n, Kind.OPAQUE) <= Kind.BROADCAST for n in nodes):
                 continue
+            domain = math.prod(_domain(nodes))
             for r in self._external_roots(nodes):
-                readers.setdefault(r, []).append(gid)
+                # A tensor every element reads (a broadcast scalar) is no reason to merge.
+                if r.tensor.numel >= domain:
+                    readers.setdefault(r, []).append(gid)
         for r, gids in readers.items():
             live = [g for g in dict.fromkeys(gids) if g in self.members]
             while len(live) > 1:
@@ -201,7 +205,7 @@ class _Partitioner:
         for n in inside:
             for i in n.inputs():
                 r = self.root(i)
-                if r not in inside and isinstance(r.meta, TensorMeta) and r.meta.numel > 1:
+                if r not in inside and isinstance(r.meta, TensorMeta):
                     out.add(r)
         return out
 

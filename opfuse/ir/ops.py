@@ -500,6 +500,12 @@ def info(op: str) -> OpInfo:
     return OPS.get(op, OPAQUE)
 
 
+def is_generator(node: Any) -> bool:
+    """A pointwise op that reads no tensor (full, scalar_tensor): free to recompute, so
+    every kernel that reads it computes it inline instead of loading it."""
+    return info(node.op).pointwise and not node.inputs()
+
+
 def cast_args_for(op: str) -> Callable[[str], bool]:
     keep = info(op).keep
     return lambda name: name not in keep

@@ -48,6 +48,7 @@ class Store:
     buffer: str
     index: Ix
     value: Expr
+    guard: Ix | None = None  # store only where this is 0 (outputs smaller than the domain)
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ uses it as its last word on a proposed fusion.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -27,7 +28,7 @@ import torch
 
 from ..ir.graph import GETITEM, Graph, Node, TensorMeta, bind
 from ..ir.index import Ix, Var, address
-from ..ir.ops import Kind, info
+from ..ir.ops import Kind, info, is_generator
 from ..ir.scalar import Expr, cast, const, opmath, walk
 from .kernel import Accumulate, Buffer, Kernel, Pass, Store
 
@@ -126,6 +127,8 @@ class _Lowering:
     def _value(self, n: Node, idx: tuple[Ix, ...]) -> Expr:
         if n.op == GETITEM and n.args[0] in self.members:
             return self._reduced(n.args[0], n.args[1], idx)
+        if n not in self.members and is_generator(n):
+            return self._pointwise(n, idx)
         if n not in self.members:
             row = info(n.op)
             if row.kind == Kind.INJECTIVE and row.index is not None and n.op != GETITEM:
@@ -264,25 +267,23 @@ class _Lowering:
         if reductions:
             self._reduction_domain(reductions)
         else:
-            shapes = {o.tensor.shape for o in outs}
-            if len(shapes) > 1:
-                raise NotFusable(f"outputs have different shapes {sorted(shapes)}")
-            self.full_shape = outs[0].tensor.shape
-            self.dims = ()
-            self.full_vars = tuple(Var(f"i{d}", s) for d, s in enumerate(self.full_shape))
-            self.full_index = tuple(Ix.var(v) for v in self.full_vars)
-        self.reduction_size = 1
-        for d in self.dims:
-            self.reduction_size *= self.full_shape[d]
+            self._pointwise_domain(outs)
+        self.reduction_size = math.prod(self.full_shape[d] for d in self.dims)
 
         out_buffers: list[Buffer] = []
-        roots: list[tuple[Buffer, tuple[Ix, ...], Expr]] = []
+        roots: list[tuple[Buffer, tuple[Ix, ...], Expr, Ix | None]] = []
         for k, o in enumerate(outs):
             m = o.tensor
+            guard = None
             if m.shape == self.full_shape:
                 idx = self.full_index
             elif reductions and m.shape in (self._kept_shape(True), self._kept_shape(False)):
                 idx = self._kept_index(m.shape)
+            elif not reductions:
+                # A smaller output the domain broadcasts: store it where the broadcast
+                # dimensions are 0.
+                idx = _broadcast(self.full_index, self.full_shape, m.shape)
+                guard = _broadcast_guard(self.full_index, self.full_shape, m.shape)
             else:
                 raise NotFusable(
                     f"output {o.name} has shape {list(m.shape)}, the group computes "
@@ -290,8 +291,10 @@ class _Lowering:
                 )
             buf = Buffer(f"out{k}", m.dtype, "out", o.name, m.shape, m.stride)
             out_buffers.append(buf)
-            roots.append((buf, idx, cast(self.value(o, idx), m.dtype)))
-        if len(self.recomputed) > MAX_RECOMPUTED:
+            roots.append((buf, idx, cast(self.value(o, idx), m.dtype), guard))
+        domain = math.prod(self.full_shape)
+        extra = sum(domain - n.tensor.numel for n in self.recomputed)
+        if extra > MAX_RECOMPUTED * domain:
             raise NotFusable(
                 f"{len(self.recomputed)} broadcast values would be recomputed for every element"
             )
@@ -308,6 +311,21 @@ class _Lowering:
             checks=tuple(self.checks),
         )
         return schedule(kernel)
+
+    def _pointwise_domain(self, outs: list[Node]) -> None:
+        """The loop domain of a pointwise group: the broadcast of its output shapes."""
+        try:
+            shape = tuple(torch.broadcast_shapes(*(o.tensor.shape for o in outs)))
+        except RuntimeError:
+            raise NotFusable(
+                f"outputs have shapes {sorted({o.tensor.shape for o in outs})} that do not broadcast"
+            ) from None
+        if not any(o.tensor.shape == shape for o in outs):
+            raise NotFusable(f"no output covers the domain {list(shape)}")
+        self.full_shape = shape
+        self.dims = ()
+        self.full_vars = tuple(Var(f"i{d}", s) for d, s in enumerate(shape))
+        self.full_index = tuple(Ix.var(v) for v in self.full_vars)
 
     def _kept_shape(self, keepdim: bool) -> tuple[int, ...]:
         if keepdim:
@@ -331,12 +349,17 @@ class _Lowering:
         self.full_vars = tuple(Var(f"i{d}", s) for d, s in enumerate(shape))
         self.full_index = tuple(Ix.var(v) for v in self.full_vars)
 
-    def _passes(self, roots: list[tuple[Buffer, tuple[Ix, ...], Expr]]) -> tuple[Pass, ...]:
+    def _passes(
+        self, roots: list[tuple[Buffer, tuple[Ix, ...], Expr, Ix | None]]
+    ) -> tuple[Pass, ...]:
+        """Pass p accumulates the reductions whose inputs read only results of passes
+        before p; a full-size output is stored in the first pass after the reductions it
+        reads; a reduced-size output right after the last pass it reads."""
         stage: dict[str, int] = {}
         by_name = {a.name: a for a in self.accumulates.values()}
 
         def deps(e: Expr) -> int:
-            """Pass after which every accumulator `e` reads is complete (-1: none)."""
+            """The pass after which every accumulator `e` reads is complete (-1: none)."""
             best = -1
             for sub in walk([e]):
                 if sub.op == "acc":
@@ -350,38 +373,37 @@ class _Lowering:
 
         for a in self.accumulates.values():
             stage_of(a.name)
-        n_passes = max([*stage.values(), 0]) + 1
-        inner_stores: list[list[Store]] = [[] for _ in range(n_passes + 1)]
-        after: list[list[Store]] = [[] for _ in range(n_passes + 1)]
-        full = set(self.full_index) - {Ix()}
-        for buf, idx, e in roots:
-            st = Store(buf.name, address(idx, buf.stride), e)
+        inner_vars = {self.full_vars[d] for d in self.dims}
+        inner: dict[int, list[Store]] = {}
+        after: dict[int, list[Store]] = {}
+        for buf, idx, e, guard in roots:
+            st = Store(buf.name, address(idx, buf.stride), e, guard)
             d = deps(e)
-            reads_inner = not self.dims or any(i in full for i in idx) and _depends_on_inner(
-                idx, self.dims, self.full_index
-            )
-            if reads_inner:
-                inner_stores[d + 1].append(st)
+            if not self.dims or st.index.variables() & inner_vars:
+                inner.setdefault(d + 1, []).append(st)
             else:
-                after[max(d, 0)].append(st)
-        while n_passes > 1 and not inner_stores[n_passes - 1] and not any(
-            s == n_passes - 1 for s in stage.values()
-        ):
-            n_passes -= 1
-        if inner_stores[n_passes]:
-            n_passes += 1
+                after.setdefault(max(d, 0), []).append(st)
+        n_passes = 1 + max([*stage.values(), *inner, *after, 0])
         return tuple(
             Pass(
                 tuple(a for a in self.accumulates.values() if stage[a.name] == p),
-                tuple(inner_stores[p]),
-                tuple(after[p]),
+                tuple(inner.get(p, ())),
+                tuple(after.get(p, ())),
             )
             for p in range(n_passes)
         )
 
 
-def _depends_on_inner(idx: tuple[Ix, ...], dims: tuple[int, ...], full: tuple[Ix, ...]) -> bool:
-    return any(idx[d] == full[d] and full[d] != Ix() for d in dims if d < len(idx))
+def _broadcast_guard(idx: tuple[Ix, ...], domain: Sequence[int], shape: Sequence[int]) -> Ix | None:
+    """Sum of the domain indices a broadcast output does not vary along (0 where it is
+    stored), or None when there are none."""
+    lead = len(domain) - len(shape)
+    guard = Ix()
+    for d in range(len(domain)):
+        k = d - lead
+        if domain[d] > 1 and (k < 0 or shape[k] == 1):
+            guard = guard + idx[d]
+    return guard if guard.terms else None
 
 
 def _broadcast(idx: tuple[Ix, ...], out: Sequence[int], arg: Sequence[int]) -> tuple[Ix, ...]:

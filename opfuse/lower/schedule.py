@@ -28,6 +28,7 @@ def accesses(k: Kernel) -> list[tuple[str, Ix]]:
         roots.extend(a.value for a in p.accumulates)
         roots.extend(s.value for s in (*p.stores, *p.after))
         out.extend((s.buffer, s.index) for s in (*p.stores, *p.after))
+        out.extend(("<guard>", s.guard) for s in (*p.stores, *p.after) if s.guard is not None)
         out.extend(("<position>", a.position) for a in p.accumulates if a.position is not None)
     for e in walk(roots):
         if e.op == "load":
@@ -175,8 +176,13 @@ def map_indices(k: Kernel, fix: Callable[[Ix], Ix]) -> Kernel:
                     )
                     for a in p.accumulates
                 ),
-                tuple(Store(s.buffer, fix(s.index), expr(s.value)) for s in p.stores),
-                tuple(Store(s.buffer, fix(s.index), expr(s.value)) for s in p.after),
+                tuple(_store(s, fix, expr) for s in p.stores),
+                tuple(_store(s, fix, expr) for s in p.after),
             )
         )
     return replace(k, passes=tuple(passes), checks=tuple(expr(c) for c in k.checks))
+
+
+def _store(s: Store, fix: Callable[[Ix], Ix], expr: Callable[[Expr], Expr]) -> Store:
+    guard = fix(s.guard) if s.guard is not None else None
+    return Store(s.buffer, fix(s.index), expr(s.value), guard)

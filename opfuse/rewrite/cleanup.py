@@ -9,11 +9,10 @@ from ..ir.graph import CONSTANT, GETITEM, Graph, GraphBuilder, Node, TensorMeta
 from ..ir.ops import Kind, info
 
 MAX_FOLD_NUMEL = 1 << 22
+MAX_GENERATED_NUMEL = 1 << 12  # tensors made from nothing (full, scalar_tensor) fold if small
 
 
 def fold_constants(graph: Graph) -> Graph:
-    if not graph.constants:
-        return graph
     b = GraphBuilder().copy_from(graph)
     values: dict[Node, torch.Tensor] = {}
     for n in graph.nodes:
@@ -26,8 +25,7 @@ def fold_constants(graph: Graph) -> Graph:
             n.op != GETITEM
             and (row.pointwise or (row.kind == Kind.INJECTIVE and row.index is not None))
             and isinstance(n.meta, TensorMeta)
-            and n.meta.numel <= MAX_FOLD_NUMEL
-            and n.inputs()
+            and n.meta.numel <= (MAX_FOLD_NUMEL if n.inputs() else MAX_GENERATED_NUMEL)
             and all(b.get(i) in values for i in n.inputs())
         )
         if not foldable:

@@ -187,7 +187,10 @@ def _loop(v: Var, indent: str) -> str:
 def _stores(em: Emitter, stores: Sequence[Store], lines: list[str], indent: str) -> None:
     em.emit([s.value for s in stores], lines, indent)
     for s in stores:
-        lines.append(f"{indent}{s.buffer}[{index(s.index)}] = {em.ref(s.value)};")
+        store = f"{s.buffer}[{index(s.index)}] = {em.ref(s.value)};"
+        if s.guard is not None:
+            store = f"if (({index(s.guard)}) == 0) {store}"
+        lines.append(f"{indent}{store}")
 
 
 def _checks(em: Emitter, k: Kernel, lines: list[str], indent: str) -> None:

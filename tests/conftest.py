@@ -1,0 +1,104 @@
+"""Shared test helpers. torch eager is the oracle: a fused result must match eager, or,
+where strict comparison fails, be no further from a float64 reference than eager is."""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+# A private kernel cache per test session: tests exercise compilation, not a warm cache.
+os.environ.setdefault("OPFUSE_CACHE_DIR", tempfile.mkdtemp(prefix="opfuse-test-cache-"))
+warnings.filterwarnings("ignore", category=FutureWarning)
+
+
+def _leaves(x: Any) -> list[Any]:
+    import torch.utils._pytree as pytree
+
+    from opfuse import structure
+
+    leaves, _ = structure.flatten(x)
+    return leaves if leaves else pytree.tree_leaves(x)
+
+
+def _to64(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.is_floating_point():
+        return x.double()
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to64(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _to64(v) for k, v in x.items()}
+    return x
+
+
+def assert_matches_eager(model: Any, ours: Any, args: tuple[Any, ...], kwargs: dict | None = None,
+                         rtol: float | None = None, atol: float | None = None) -> None:
+    """`ours` is the fused output for model(*args); compare it with eager."""
+    kwargs = kwargs or {}
+    with torch.no_grad():
+        ref = model(*args, **kwargs)
+    a, b = _leaves(ours), _leaves(ref)
+    assert len(a) == len(b), f"{len(a)} outputs, eager has {len(b)}"
+    ref64 = None
+    for i, (o, r) in enumerate(zip(a, b)):
+        assert o.shape == r.shape, f"output {i}: shape {tuple(o.shape)} vs eager {tuple(r.shape)}"
+        assert o.dtype == r.dtype, f"output {i}: dtype {o.dtype} vs eager {r.dtype}"
+        try:
+            torch.testing.assert_close(o, r, rtol=rtol, atol=atol, equal_nan=True)
+            continue
+        except AssertionError:
+            if ref64 is None:
+                ref64 = _reference64(model, args, kwargs)
+        r64 = _leaves(ref64)[i]
+        if not r.is_floating_point():
+            # Integer results of float math: no more elements off float64's answer than eager.
+            ours_off = int((o != r64.to(o.dtype)).sum())
+            eager_off = int((r != r64.to(r.dtype)).sum())
+            assert ours_off <= eager_off, f"output {i}: {ours_off} elements differ, eager {eager_off}"
+            continue
+        err_ours = _err(o, r64)
+        err_eager = _err(r, r64)
+        # float64 tiebreak: no further from float64 than eager is (with 1 ulp of slack)
+        eps = torch.finfo(r.dtype).eps * max(1.0, r64.abs().max().item())
+        assert err_ours <= err_eager * 1.0 + eps, (
+            f"output {i}: max error vs float64 {err_ours:.3e}, eager's {err_eager:.3e}"
+        )
+
+
+def _err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    d = (x.double() - ref.double()).abs()
+    both_nan = torch.isnan(x.double()) & torch.isnan(ref)
+    d = torch.where(both_nan, torch.zeros_like(d), d)
+    d = torch.where(torch.isnan(d), torch.full_like(d, float("inf")), d)
+    return d.max().item() if d.numel() else 0.0
+
+
+def _reference64(model: Any, args: tuple[Any, ...], kwargs: dict) -> Any:
+    m64 = copy.deepcopy(model)
+    if isinstance(m64, torch.nn.Module):
+        m64 = m64.double()
+    with torch.no_grad():
+        return m64(*_to64(args), **_to64(kwargs))
+
+
+class Fn(torch.nn.Module):
+    """Wrap a function as a module."""
+
+    def __init__(self, fn: Any) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+@pytest.fixture
+def fresh_cache(tmp_path: Any, monkeypatch: Any) -> Any:
+    d = tmp_path / "cache"
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(d))
+    return d

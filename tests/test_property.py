@@ -1,0 +1,99 @@
+"""Property test: random elementwise DAGs (random ops, broadcast shapes, strided inputs,
+several outputs, dtypes) compile to exactly one kernel and match eager."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import opfuse
+from tests.conftest import Fn, assert_matches_eager
+
+UNARY = [
+    torch.relu, torch.sigmoid, torch.tanh, torch.neg, torch.abs, torch.sin, torch.cos,
+    lambda t: torch.sqrt(t.abs()), lambda t: torch.log1p(t.abs()), F.gelu, F.silu,
+    lambda t: t.clamp(-0.5, 0.75), lambda t: t * 0.5, lambda t: t + 1.25, torch.exp,
+    lambda t: F.leaky_relu(t, 0.1), F.hardswish, torch.erf,
+]
+BINARY = [
+    torch.add, torch.sub, torch.mul, torch.maximum, torch.minimum,
+    lambda a, b: a / (b.abs() + 0.5), lambda a, b: torch.lerp(a, b, 0.25),
+]
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+@st.composite
+def dags(draw: Any) -> tuple[Any, list[torch.Tensor], str]:
+    rank = draw(st.integers(1, 4))
+    out_shape = tuple(draw(st.lists(st.integers(1, 7), min_size=rank, max_size=rank)))
+    n_inputs = draw(st.integers(1, 3))
+    dtype = draw(st.sampled_from(DTYPES))
+    inputs: list[torch.Tensor] = []
+    for i in range(n_inputs):
+        keep = draw(st.integers(0 if i else rank, rank))  # input 0 has the full rank
+        shape = list(out_shape[rank - keep :])
+        if i:
+            shape = [s if draw(st.booleans()) else 1 for s in shape]
+        layout = draw(st.sampled_from(["contiguous", "transposed", "sliced", "expanded"]))
+        inputs.append(_make(shape, layout, dtype, draw(st.integers(0, 10_000))))
+    program: list[tuple[str, int, int, int]] = []
+    n_values = n_inputs
+    for _ in range(draw(st.integers(1, 10))):
+        kind = draw(st.sampled_from(["unary", "binary", "where"]))
+        a = draw(st.integers(0, n_values - 1))
+        b = draw(st.integers(0, n_values - 1))
+        op = draw(st.integers(0, 100))
+        program.append((kind, op, a, b))
+        n_values += 1
+    n_out = draw(st.integers(1, 3))
+
+    def fn(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        vals = list(xs)
+        full = xs[0]
+        for x in xs[1:]:
+            full = full + x  # a value with the full output shape
+        vals.append(full)
+        for kind, op, a, b in program:
+            if kind == "unary":
+                vals.append(UNARY[op % len(UNARY)](vals[a]))
+            elif kind == "binary":
+                vals.append(BINARY[op % len(BINARY)](vals[a], vals[b]))
+            else:  # compare inputs only: a branch decided by rounding would be flaky
+                vals.append(torch.where(xs[op % len(xs)] > 0, vals[a], vals[b]))
+        last = vals[-1] + full * 0.5
+        outs = [last]
+        for k in range(1, n_out):
+            outs.append(vals[-1 - k] * 2 + full)
+        return tuple(outs)
+
+    return fn, inputs, dtype.__repr__()
+
+
+def _make(shape: list[int], layout: str, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    if layout == "transposed" and len(shape) >= 2:
+        t = torch.randn(shape[::-1], generator=g).to(dtype)
+        return t.permute(*reversed(range(len(shape))))
+    if layout == "sliced" and shape:
+        t = torch.randn([*shape[:-1], shape[-1] * 2 + 1], generator=g).to(dtype)
+        return t[..., 1::2]
+    if layout == "expanded" and shape and shape[0] > 1:
+        t = torch.randn([1, *shape[1:]], generator=g).to(dtype)
+        return t.expand(shape)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(dags())
+def test_random_elementwise_dag_is_one_kernel_and_matches_eager(case: Any) -> None:
+    fn, inputs, _ = case
+    m = Fn(fn).eval()
+    fast = opfuse.compile(m, tuple(inputs))
+    report = fast.report
+    assert report.kernels_after == 1, report
+    assert report.groups[0].pattern == "elementwise"
+    assert_matches_eager(m, fast(*inputs), tuple(inputs))
