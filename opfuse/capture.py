@@ -233,22 +233,25 @@ def _strip(target: str) -> str:
 
 
 # -- AOTAutograd graphs (torch.compile backend) -----------------------------------------
-def capture_fx(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Graph:
+def capture_fx(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Graph, list[int]]:
     """Convert an ATen-level fx graph, re-deriving every shape from `example_inputs`
-    (concrete tensors, or fake ones with static shapes)."""
+    (concrete tensors, or fake ones with static shapes). Returns the graph and, per graph
+    input, its position among the fx graph's arguments (sizes passed as ints are baked in)."""
     vals = _propagate(gm, example_inputs)
     placeholders: dict[str, Any] = {}
+    positions: list[int] = []
     k = 0
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             v = vals[n]
-            placeholders[n.name] = ("input", ("user", k)) if isinstance(v, torch.Tensor) else (
-                "value",
-                v,
-            )
+            if isinstance(v, torch.Tensor):
+                placeholders[n.name] = ("input", ("user", k))
+                positions.append(k)
+            else:
+                placeholders[n.name] = ("value", v)
             k += 1
     graph, _ = _convert(gm, placeholders, [], vals)
-    return graph
+    return graph, positions
 
 
 def _propagate(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> dict[torch.fx.Node, Any]:

@@ -25,7 +25,7 @@ class _GraphRunner:
 
     def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> None:
         self.gm = gm
-        self.cache: dict[tuple[Any, ...], CompiledGraph | None] = {}
+        self.cache: dict[tuple[Any, ...], tuple[CompiledGraph, list[int]] | None] = {}
         if all(_static(x) for x in example_inputs):
             self._compile(example_inputs)
 
@@ -37,28 +37,29 @@ class _GraphRunner:
             for a in args
         )
 
-    def _compile(self, args: Sequence[Any]) -> CompiledGraph | None:
+    def _compile(self, args: Sequence[Any]) -> tuple[CompiledGraph, list[int]] | None:
         key = self._key(args)
+        entry: tuple[CompiledGraph, list[int]] | None
         try:
-            graph = capture_fx(self.gm, args)
-            compiled: CompiledGraph | None = compile_graph(
-                graph, Options(freeze=False), count_kernels(graph)
-            )
+            graph, positions = capture_fx(self.gm, args)
+            compiled = compile_graph(graph, Options(freeze=False), count_kernels(graph))
+            entry = (compiled, positions)
         except Exception as e:  # never crash a model eager runs: run this graph with torch
             warn_once(f"opfuse: graph falls back to torch ({type(e).__name__}: {e})")
-            compiled = None
-        self.cache[key] = compiled
-        if compiled is not None:
+            entry = None
+        self.cache[key] = entry
+        if entry is not None:
             for sink in getattr(_listeners, "sinks", []):
-                sink.append(compiled.report)
-        return compiled
+                sink.append(entry[0].report)
+        return entry
 
     def __call__(self, args: list[Any]) -> Any:
         key = self._key(args)
-        compiled = self.cache[key] if key in self.cache else self._compile(args)
-        if compiled is None:
+        entry = self.cache[key] if key in self.cache else self._compile(args)
+        if entry is None:
             return self.gm(*args)
-        return compiled(list(args))
+        compiled, positions = entry
+        return compiled([args[k] for k in positions])
 
 
 def _static(x: Any) -> bool:

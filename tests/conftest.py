@@ -70,6 +70,23 @@ def assert_matches_eager(model: Any, ours: Any, args: tuple[Any, ...], kwargs: d
         )
 
 
+def assert_no_worse(
+    ours: torch.Tensor, eager: torch.Tensor, ref64: torch.Tensor, what: str = "", factor: float = 1.0
+) -> None:
+    """The oracle rule for one tensor: close to eager, or no further from float64 than
+    `factor` times eager's distance (plus one ulp of the largest value)."""
+    try:
+        torch.testing.assert_close(ours, eager, equal_nan=True)
+        return
+    except AssertionError:
+        pass
+    e_ours, e_eager = _err(ours, ref64), _err(eager, ref64)
+    eps = torch.finfo(eager.dtype).eps * max(1.0, ref64.abs().max().item())
+    assert e_ours <= e_eager * factor + eps, (
+        f"{what}: error vs float64 {e_ours:.3e}, eager's {e_eager:.3e}"
+    )
+
+
 def _err(x: torch.Tensor, ref: torch.Tensor) -> float:
     d = (x.double() - ref.double()).abs()
     both_nan = torch.isnan(x.double()) & torch.isnan(ref)

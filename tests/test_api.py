@@ -1,0 +1,217 @@
+"""The public API: output structures, the caller's state, kwargs, fallbacks, the entry point."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import subprocess
+import sys
+import textwrap
+from collections import OrderedDict, namedtuple
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+import opfuse
+from tests.conftest import Fn, assert_matches_eager
+
+
+@dataclasses.dataclass
+class Out:
+    logits: torch.Tensor
+    hidden: tuple[torch.Tensor, ...]
+    aux: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenOut:
+    a: torch.Tensor
+    b: torch.Tensor
+
+
+class ModelOutputLike(OrderedDict):  # the shape of transformers' ModelOutput
+    pass
+
+
+pytree.register_pytree_node(
+    ModelOutputLike,
+    lambda d: (list(d.values()), list(d.keys())),
+    lambda values, keys: ModelOutputLike(zip(keys, values)),
+)
+
+Pair = namedtuple("Pair", "first second")
+
+
+STRUCTURES = {
+    "tensor": lambda a, b: a + b,
+    "tuple": lambda a, b: (a + b, a * b),
+    "list": lambda a, b: [a.relu(), (b.exp(), a - 1)],
+    "dict": lambda a, b: {"x": a.sigmoid(), "y": {"z": b * 2}, "n": None, "s": "text"},
+    "namedtuple": lambda a, b: Pair(a * 3, b.tanh()),
+    "dataclass": lambda a, b: Out(a + b, (a, b.neg()), aux=7),
+    "frozen_dataclass": lambda a, b: FrozenOut(a * b, a / 2),
+    "pytree_registered": lambda a, b: ModelOutputLike(last=a + 1, pooled=b.sum(-1)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STRUCTURES))
+def test_output_structure_is_preserved(name: str) -> None:
+    m = Fn(STRUCTURES[name]).eval()
+    a, b = torch.randn(4, 5), torch.randn(4, 5)
+    ours = opfuse.compile(m, (a, b))(a, b)
+    ref = m(a, b)
+    assert type(ours) is type(ref)
+    assert pytree.tree_structure(ours) == pytree.tree_structure(ref) or dataclasses.is_dataclass(ref)
+    assert_matches_eager(m, ours, (a, b))
+    if isinstance(ref, Out):
+        assert ours.aux == 7 and isinstance(ours.hidden, tuple)
+
+
+def test_kwargs_inputs() -> None:
+    class M(nn.Module):
+        def forward(self, x: torch.Tensor, *, scale: torch.Tensor, bias: float = 1.0) -> torch.Tensor:
+            return x * scale + bias
+
+    m = M().eval()
+    x, s = torch.randn(3, 4), torch.randn(4)
+    fast = opfuse.compile(m, (x,), example_kwargs={"scale": s, "bias": 2.0})
+    torch.testing.assert_close(fast(x, bias=2.0, scale=s), m(x, scale=s, bias=2.0))
+    torch.testing.assert_close(fast(x, scale=s, bias=-1.0), m(x, scale=s, bias=-1.0))  # recompiles
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.GELU(), nn.Linear(16, 4)).eval()
+
+
+def test_caller_module_and_inputs_are_not_mutated() -> None:
+    m = _mlp()
+    before = copy.deepcopy(m.state_dict())
+    params_before = {k: v.data_ptr() for k, v in m.state_dict().items()}
+    attrs_before = set(m.__dict__)
+    x = torch.randn(5, 8)
+    x_before = x.clone()
+    fast = opfuse.compile(m, (x,))
+    fast(x)
+    fast.train()  # the wrapper's mode is its own
+    assert not m.training
+    after = m.state_dict()
+    assert before.keys() == after.keys()
+    for k in before:
+        assert torch.equal(before[k], after[k]), k
+        assert after[k].data_ptr() == params_before[k]
+    assert set(m.__dict__) == attrs_before
+    assert not m._forward_hooks and not m._forward_pre_hooks
+    assert torch.equal(x, x_before)
+
+
+def test_eval_mode_with_inputs_requiring_grad_gives_eager_gradients() -> None:
+    m = _mlp()
+    x1 = torch.randn(5, 8, requires_grad=True)
+    x2 = x1.detach().clone().requires_grad_()
+    fast = opfuse.compile(m, (x1.detach(),))
+    fast(x1).sum().backward()
+    m(x2).sum().backward()
+    torch.testing.assert_close(x1.grad, x2.grad)
+
+
+def test_python_scalar_inputs_are_specialised() -> None:
+    m = Fn(lambda x, n: x * n + n).eval()
+    x = torch.randn(4)
+    fast = opfuse.compile(m, (x, 3))
+    torch.testing.assert_close(fast(x, 3), m(x, 3))
+    torch.testing.assert_close(fast(x, 5), m(x, 5))
+
+
+def test_buffer_mutation_keeps_private_state() -> None:
+    class Counter(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls.add_(1)
+            return x * self.calls
+
+    m = Counter().eval()
+    ref = copy.deepcopy(m)
+    x = torch.ones(3)
+    fast = opfuse.compile(m, (x,))
+    assert float(m.calls) == 0  # compiling ran nothing on the caller's module
+    for _ in range(3):
+        torch.testing.assert_close(fast(x), ref(x))
+    assert float(m.calls) == 0
+
+
+def test_input_mutation_matches_eager() -> None:
+    class Scale(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x.mul_(2)
+            return x + 1
+
+    m = Scale().eval()
+    a, b = torch.randn(4), None
+    b = a.clone()
+    fast = opfuse.compile(m, (a.clone(),))
+    out = fast(a)
+    ref = m(b)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(a, b)  # mutated like eager mutated its input
+
+
+def test_untraceable_model_falls_back_and_stays_correct() -> None:
+    class DataDependent(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.sum() > 0:  # data-dependent control flow: torch.export cannot trace it
+                return (x * 2).relu()
+            return x.exp() - 1
+
+    m = DataDependent().eval()
+    with pytest.warns(RuntimeWarning, match="torch.compile"):
+        fast = opfuse.compile(m, (torch.ones(4),))
+    for x in (torch.ones(4), -torch.ones(4)):
+        torch.testing.assert_close(fast(x), m(x))
+
+
+def test_explain_report_fields() -> None:
+    m = _mlp()
+    r = opfuse.explain(m, torch.randn(5, 8))
+    assert r.kernels_before > r.kernels_after >= 3
+    for g in r.groups:
+        assert g.pattern in ("elementwise", "reduction", "gemm_epilogue", "conv_epilogue",
+                             "library", "fallback")
+        assert g.ops and g.modules
+    assert isinstance(r.folds, list) and isinstance(r.rejected, list)
+    assert "pattern" in str(r)
+    import json
+
+    json.dumps(r.to_dict())
+
+
+def test_torch_compile_backend_registered_by_entry_point() -> None:
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        m = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
+        out = torch.compile(m, backend="opfuse")(torch.randn(2, 4))
+        assert "opfuse" not in [k.split(".")[0] for k in list(sys.modules)][:0]
+        out.sum().backward()
+        print("ok", "opfuse" in sys.modules)
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ))
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["ok", "True"]  # loaded by torch through the entry point
+
+
+def test_torch_compile_inference_under_no_grad() -> None:
+    m = _mlp()
+    x = torch.randn(6, 8)
+    with torch.no_grad():
+        out = torch.compile(m, backend="opfuse")(x)
+    torch.testing.assert_close(out, m(x))

@@ -1,0 +1,214 @@
+"""Runtime faults and guarantees: missing compiler, corrupt and unsafe caches, concurrent
+builds, recompiling on new shapes, memory reuse, fresh outputs, debug dumps."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import opfuse
+from opfuse import pipeline
+from opfuse.backends.c import build
+from tests.conftest import Fn, assert_matches_eager
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def model() -> torch.nn.Module:
+    return Fn(lambda x, y: torch.tanh(x * y + 1).relu() * 3 - y).eval()
+
+
+def inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(50, 40, generator=g), torch.randn(40, generator=g)
+
+
+@pytest.fixture(autouse=True)
+def _reset_warnings() -> None:
+    pipeline._warned.clear()
+
+
+@pytest.mark.parametrize("setting", ["missing", "none_on_path"])
+def test_no_compiler_falls_back_to_torch(monkeypatch, fresh_cache, setting) -> None:  # type: ignore[no-untyped-def]
+    if setting == "missing":
+        monkeypatch.setenv("CC", "/nonexistent/cc")
+    else:
+        monkeypatch.delenv("CC", raising=False)
+        monkeypatch.setenv("PATH", "")
+    m, args = model(), inputs()
+    with pytest.warns(RuntimeWarning, match="could not be built"):
+        fast = opfuse.compile(m, args)
+    assert [g.pattern for g in fast.report.groups] == ["fallback"]
+    assert_matches_eager(m, fast(*args), args)
+
+
+def test_compiler_error_falls_back(monkeypatch, fresh_cache, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    fake = tmp_path / "badcc"
+    fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo badcc 1.0; exit 0; fi\nexit 1\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("CC", str(fake))
+    m, args = model(), inputs()
+    with pytest.warns(RuntimeWarning):
+        fast = opfuse.compile(m, args)
+    assert_matches_eager(m, fast(*args), args)
+
+
+def _run_child(code: str, env: dict[str, str]) -> str:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout
+
+
+CHILD = """
+    import warnings, torch, opfuse
+    warnings.simplefilter("ignore", FutureWarning)
+    from tests.test_runtime import model, inputs
+    m, args = model(), inputs()
+    fast = opfuse.compile(m, args)
+    torch.testing.assert_close(fast(*args), m(*args))
+    print("cached" if fast.report.cached else "built", fast.report.groups[0].pattern)
+"""
+
+
+def test_warm_cache_hit_and_corrupt_entry_rebuilt(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = dict(os.environ, OPFUSE_CACHE_DIR=str(tmp_path / "c"))
+    assert _run_child(CHILD, env).split() == ["built", "elementwise"]
+    assert _run_child(CHILD, env).split() == ["cached", "elementwise"]
+    libs = list((tmp_path / "c").glob("*.so"))
+    assert len(libs) == 1
+    data = libs[0].read_bytes()
+    libs[0].write_bytes(data[: len(data) // 3])  # truncated
+    assert _run_child(CHILD, env).split() == ["built", "elementwise"]
+    libs[0].write_bytes(b"\x7fELF garbage" + data[20:])  # corrupt, same size
+    assert _run_child(CHILD, env).split() == ["built", "elementwise"]
+
+
+def test_concurrent_builds_of_the_same_kernels(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    env = dict(os.environ, OPFUSE_CACHE_DIR=str(tmp_path / "c"))
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(CHILD)], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(4)]
+    for p in procs:
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-2000:]
+        assert out.split()[1] == "elementwise"
+    assert len(list((tmp_path / "c").glob("*.so"))) == 1
+    assert not list((tmp_path / "c").glob("tmp*"))  # no temporary files left behind
+
+
+def test_cache_directory_writable_by_others_is_refused(fresh_cache) -> None:  # type: ignore[no-untyped-def]
+    fresh_cache.mkdir(parents=True)
+    fresh_cache.chmod(0o777)
+    with pytest.raises(build.UnsafeCacheError):
+        build.cache_dir()
+    m, args = model(), inputs()
+    with pytest.warns(RuntimeWarning, match="other users"):
+        fast = opfuse.compile(m, args)
+    assert fast.report.groups[0].pattern == "fallback"
+    assert_matches_eager(m, fast(*args), args)
+
+
+def test_cached_library_writable_by_others_is_refused(fresh_cache) -> None:  # type: ignore[no-untyped-def]
+    m, args = model(), inputs()
+    opfuse.compile(m, args)
+    (lib,) = fresh_cache.glob("*.so")
+    lib.chmod(lib.stat().st_mode | stat.S_IWOTH)
+    pipeline._warned.clear()
+    with pytest.warns(RuntimeWarning, match="other users"):
+        fast = opfuse.compile(m, args)
+    assert fast.report.groups[0].pattern == "fallback"
+    assert_matches_eager(m, fast(*args), args)
+
+
+def test_cache_directory_is_private(fresh_cache) -> None:  # type: ignore[no-untyped-def]
+    d = build.cache_dir()
+    assert stat.S_IMODE(d.stat().st_mode) == 0o700
+
+
+def test_new_shape_recompiles() -> None:
+    m, (x, y) = model(), inputs()
+    fast = opfuse.compile(m, (x, y))
+    x2, y2 = torch.randn(7, 3, 40), torch.randn(40)
+    assert_matches_eager(m, fast(x2, y2), (x2, y2))
+    xt = torch.randn(40, 50).t()  # same shape, other strides
+    assert_matches_eager(m, fast(xt, y), (xt, y))
+    assert_matches_eager(m, fast(x.double(), y.double()), (x.double(), y.double()))
+    assert len(fast._entries) == 4
+
+
+def test_recompile_off_names_the_mismatch() -> None:
+    m, (x, y) = model(), inputs()
+    fast = opfuse.compile(m, (x, y), recompile=False)
+    with pytest.raises(opfuse.RecompileError, match=r"input 0 has shape \[10, 40\], compiled for \[50, 40\]"):
+        fast(torch.randn(10, 40), y)
+    with pytest.raises(opfuse.RecompileError, match="dtype"):
+        fast(x.double(), y)
+    torch.testing.assert_close(fast(x, y), m(x, y))
+
+
+def test_intermediates_reuse_memory_across_calls() -> None:
+    def f(x):  # type: ignore[no-untyped-def]
+        a = (x * 2).relu()  # kernel 1 -> intermediate
+        b = torch.cumsum(a, 1)  # torch op between kernels
+        return (b + a).sigmoid()  # kernel 2 reads both
+
+    m = Fn(f).eval()
+    x = torch.randn(64, 64)
+    fast = opfuse.compile(m, (x,))
+    run = fast._first.compiled.run
+    assert run.plan.pool_sizes, "the intermediate of kernel 1 should be pooled"
+    out1 = fast(x)
+    blocks = [b.data_ptr() for b in run._frame.blocks]
+    out2 = fast(x)
+    assert [b.data_ptr() for b in run._frame.blocks] == blocks
+    assert out1.data_ptr() != out2.data_ptr()  # out1 is still held: out2 is fresh
+    torch.testing.assert_close(out1, out2)
+    assert_matches_eager(m, out2, (x,))
+
+
+def test_dropped_outputs_are_recycled_held_ones_never() -> None:
+    m, args = model(), inputs()
+    fast = opfuse.compile(m, args)
+    a = fast(*args)
+    view = a[3:]
+    ptr = a.data_ptr()
+    del a
+    b = fast(*args)
+    assert b.data_ptr() != ptr  # a view of the old output is alive
+    del view
+    c_ptr = b.data_ptr()
+    del b
+    c = fast(*args)
+    assert c.data_ptr() == c_ptr  # nothing refers to it any more: reused
+    torch.testing.assert_close(c, m(*args))
+
+
+def test_single_thread_and_thread_count_changes() -> None:
+    m = Fn(lambda x: (x * 2).exp().sum(-1)).eval()
+    x = torch.randn(256, 1024)
+    fast = opfuse.compile(m, (x,))
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert_matches_eager(m, fast(x), (x,))
+    finally:
+        torch.set_num_threads(n)
+    assert_matches_eager(m, fast(x), (x,))
+
+
+def test_debug_dir_gets_source_and_table(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("OPFUSE_DEBUG_DIR", str(tmp_path / "dbg"))
+    m, args = model(), inputs()
+    opfuse.compile(m, args)
+    files = sorted(p.suffix for p in (tmp_path / "dbg").iterdir())
+    assert files == [".c", ".json", ".txt"]
+    src = next((tmp_path / "dbg").glob("*.c")).read_text()
+    assert "fused_mul_add_tanh_relu" in src and "#pragma omp" in src
