@@ -1,8 +1,8 @@
 """opfuse: an operator-fusion compiler for PyTorch that explains every decision it makes.
 
-    fast = opfuse.compile(model, example_inputs)      # eval: frozen, fused kernels
-    report = opfuse.explain(model, example_inputs)    # what fused, what did not, and why
-    torch.compile(model, backend="opfuse")            # inference and training
+fast = opfuse.compile(model, example_inputs)      # eval: frozen, fused kernels
+report = opfuse.explain(model, example_inputs)    # what fused, what did not, and why
+torch.compile(model, backend="opfuse")            # inference and training
 """
 
 from .api import CompiledModule, RecompileError, compile, explain

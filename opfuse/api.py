@@ -12,7 +12,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import structure
-from .capture import CaptureError, Captured, capture_module
+from .capture import Captured, CaptureError, capture_module
 from .explain import count_kernels
 from .pipeline import CompiledGraph, Options, compile_graph, warn_once
 from .report import FusionReport
@@ -114,7 +114,8 @@ class CompiledModule(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled() and any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves((args, kwargs))
+            isinstance(t, torch.Tensor) and t.requires_grad
+            for t in pytree.tree_leaves((args, kwargs))
         ):
             return self._with_autograd(*args, **kwargs)
         leaves = self._flat(args, kwargs)
@@ -131,9 +132,7 @@ class CompiledModule(torch.nn.Module):
                         )
                     entry = self._compile(args, kwargs)
         cap = entry.captured
-        inputs = [
-            leaves[k] if role == "user" else cap.state[k] for role, k in cap.input_roles
-        ]
+        inputs = [leaves[k] if role == "user" else cap.state[k] for role, k in cap.input_roles]
         outs = entry.compiled(inputs)
         user: list[Any] = []
         for (role, k), v in zip(cap.output_roles, outs):

@@ -140,7 +140,9 @@ def capture_module(
             eager_kernels = count_eager_kernels(ep.graph_module)
             ep = ep.run_decompositions(decompositions())
     except Exception as e:  # export fails for many reasons; callers fall back to dynamo
-        raise CaptureError(f"torch.export could not trace the model: {type(e).__name__}: {e}") from e
+        raise CaptureError(
+            f"torch.export could not trace the model: {type(e).__name__}: {e}"
+        ) from e
     from torch.export.graph_signature import InputKind, OutputKind
 
     sig = ep.graph_signature
@@ -178,7 +180,7 @@ def capture_module(
         else:
             raise CaptureError(f"unsupported graph input kind {spec.kind}")
 
-    graph, node_of = _convert(ep.graph_module, placeholders, input_roles)
+    graph, _ = _convert(ep.graph_module, placeholders, input_roles)
     output_roles: list[tuple[str, Any]] = []
     user_out = 0
     for spec in sig.output_specs:
@@ -192,9 +194,7 @@ def capture_module(
             output_roles.append(("input", k))
         else:
             raise CaptureError(f"unsupported graph output kind {spec.kind}")
-    return Captured(
-        graph, output_roles, box[-1], input_roles, state, scalar_inputs, eager_kernels
-    )
+    return Captured(graph, output_roles, box[-1], input_roles, state, scalar_inputs, eager_kernels)
 
 
 def count_eager_kernels(gm: torch.fx.GraphModule) -> int:
@@ -335,7 +335,9 @@ def _convert(
                 env[n] = payload
         elif n.op == "get_attr":
             t = _fetch_attr(gm, n.target)
-            env[n] = b.constant(t.detach() if isinstance(t, torch.Tensor) else t, _safe_name(n.target))
+            env[n] = b.constant(
+                t.detach() if isinstance(t, torch.Tensor) else t, _safe_name(n.target)
+            )
         elif n.op == "call_function":
             v = value_of(n)
             if not isinstance(v, (torch.Tensor, tuple, list)) and not _is_tensor_op(n):
@@ -400,7 +402,9 @@ def _source(n: torch.fx.Node) -> Source:
     if stack:
         qualname, typ = list(stack.values())[-1]
         module = _clean_module_path(qualname)
-        module_type = (typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))).split(".")[-1]
+        module_type = (typ if isinstance(typ, str) else getattr(typ, "__name__", str(typ))).split(
+            "."
+        )[-1]
     location = code = ""
     frames = _FRAME.findall(n.meta.get("stack_trace") or "")
     user = [f for f in frames if not f[0].startswith(_TORCH_DIR) and "opfuse" not in f[0]]

@@ -94,7 +94,9 @@ def opfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kw
     return backend(gm, example_inputs)
 
 
-def collect_reports(model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> FusionReport:
+def collect_reports(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> FusionReport:
     """Run `model` once under torch.compile(backend=opfuse) and merge the reports of every
     graph compiled meanwhile."""
     sinks: list[FusionReport] = []

@@ -43,15 +43,21 @@ def make_report(
             pattern, reason = "fallback", reason or "kernel build failed; ran with torch"
         name = f"{k.name}_{g.id}" if (k is not None and is_built) else _op_label(g.nodes)
         members = set(g.nodes)
-        saved = [
-            n
-            for n in g.nodes
-            if isinstance(n.meta, TensorMeta)
-            and n not in graph.output_set
-            and all(u in members or _view_inside(u, members, users) for u in users[n])
-        ] if is_built else []
+        saved = (
+            [
+                n
+                for n in g.nodes
+                if isinstance(n.meta, TensorMeta)
+                and n not in graph.output_set
+                and all(u in members or _view_inside(u, members, users) for u in users[n])
+            ]
+            if is_built
+            else []
+        )
         saved_bytes = sum(2 * n.tensor.nbytes for n in saved)
-        modules = list(dict.fromkeys(n.source.module for n in g.nodes if n.source and n.source.module))
+        modules = list(
+            dict.fromkeys(n.source.module for n in g.nodes if n.source and n.source.module)
+        )
         groups.append(
             GroupReport(
                 id=g.id,

@@ -1,14 +1,14 @@
 """The compiler on one screen.
 
-    graph  = capture(model)                 capture.py       torch.export / AOTAutograd
-    graph  = rewrite(graph)                 rewrite/         fold BatchNorm, fold constants
-    kinds  = classify(graph)                fusion/classify  ordered op kinds
-    groups = partition(graph, kinds)        fusion/          the decision, with why-nots
-    kernels = lower(groups)                 lower/           loop nest + scalar expressions
-    source = render(kernels)                backends/c       C with OpenMP (strings only)
-    library = build(source)                 backends/c       compile, cache, load
-    plan   = plan(groups, library)          plan.py          steps, slots, memory pool
-    run(plan, inputs)                       runtime.py
+graph  = capture(model)                 capture.py       torch.export / AOTAutograd
+graph  = rewrite(graph)                 rewrite/         fold BatchNorm, fold constants
+kinds  = classify(graph)                fusion/classify  ordered op kinds
+groups = partition(graph, kinds)        fusion/          the decision, with why-nots
+kernels = lower(groups)                 lower/           loop nest + scalar expressions
+source = render(kernels)                backends/c       C with OpenMP (strings only)
+library = build(source)                 backends/c       compile, cache, load
+plan   = plan(groups, library)          plan.py          steps, slots, memory pool
+run(plan, inputs)                       runtime.py
 """
 
 from __future__ import annotations
@@ -73,7 +73,9 @@ def warn_once(message: str) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
-def compile_graph(graph: Graph, options: Options | None = None, eager_kernels: int | None = None) -> CompiledGraph:
+def compile_graph(
+    graph: Graph, options: Options | None = None, eager_kernels: int | None = None
+) -> CompiledGraph:
     """Everything after capture: rewrite, fuse, lower, render, build, plan."""
     opts = options or Options()
     t0 = time.perf_counter()

@@ -104,9 +104,9 @@ def build_plan(
             produced_at[o] = si
             ready.add(o)
             pooled_outputs.append((si, oi, o))
-    for o in graph.outputs:
-        if o is not None:
-            need(o)
+    for out in graph.outputs:
+        if out is not None:
+            need(out)
 
     # Memory plan: an intermediate's lifetime runs to the last read of it or any alias.
     alias_of: dict[Node, Node] = {}

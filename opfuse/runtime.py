@@ -134,6 +134,7 @@ class Runtime:
                     # torch raises this very error for integer division by zero
                     raise RuntimeError("ZeroDivisionError")
             else:
+                assert isinstance(step, TorchStep)
                 args = _resolve(step.args, env)
                 kwargs = {k: _resolve(v, env) for k, v in step.kwargs.items()}
                 env[step.output] = step.fn(*args, **kwargs)
@@ -146,7 +147,9 @@ _FREE_REFS = 3
 _storage_use_count = torch._C._storage_Use_Count
 
 
-def _fresh(cache: dict[tuple[int, int], torch.Tensor], key: tuple[int, int], m: TensorMeta) -> torch.Tensor:
+def _fresh(
+    cache: dict[tuple[int, int], torch.Tensor], key: tuple[int, int], m: TensorMeta
+) -> torch.Tensor:
     """A new output tensor. The one returned by the previous call is reused when the caller
     has dropped it and every view of it (a caching allocator: large fresh allocations cost
     page faults on every call)."""
@@ -197,7 +200,9 @@ def assign_pool(lifetimes: list[tuple[int, int, int]]) -> tuple[list[int | None]
         start, end, size = lifetimes[i]
         best = None
         for b in range(len(blocks)):
-            if free_at[b] < start and (best is None or _fit(blocks[b], size) < _fit(blocks[best], size)):
+            if free_at[b] < start and (
+                best is None or _fit(blocks[b], size) < _fit(blocks[best], size)
+            ):
                 best = b
         if best is None:
             blocks.append(size)

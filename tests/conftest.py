@@ -36,8 +36,14 @@ def _to64(x: Any) -> Any:
     return x
 
 
-def assert_matches_eager(model: Any, ours: Any, args: tuple[Any, ...], kwargs: dict | None = None,
-                         rtol: float | None = None, atol: float | None = None) -> None:
+def assert_matches_eager(
+    model: Any,
+    ours: Any,
+    args: tuple[Any, ...],
+    kwargs: dict | None = None,
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> None:
     """`ours` is the fused output for model(*args); compare it with eager."""
     kwargs = kwargs or {}
     with torch.no_grad():
@@ -59,7 +65,9 @@ def assert_matches_eager(model: Any, ours: Any, args: tuple[Any, ...], kwargs: d
             # Integer results of float math: no more elements off float64's answer than eager.
             ours_off = int((o != r64.to(o.dtype)).sum())
             eager_off = int((r != r64.to(r.dtype)).sum())
-            assert ours_off <= eager_off, f"output {i}: {ours_off} elements differ, eager {eager_off}"
+            assert ours_off <= eager_off, (
+                f"output {i}: {ours_off} elements differ, eager {eager_off}"
+            )
             continue
         err_ours = _err(o, r64)
         err_eager = _err(r, r64)
@@ -71,7 +79,11 @@ def assert_matches_eager(model: Any, ours: Any, args: tuple[Any, ...], kwargs: d
 
 
 def assert_no_worse(
-    ours: torch.Tensor, eager: torch.Tensor, ref64: torch.Tensor, what: str = "", factor: float = 1.0
+    ours: torch.Tensor,
+    eager: torch.Tensor,
+    ref64: torch.Tensor,
+    what: str = "",
+    factor: float = 1.0,
 ) -> None:
     """The oracle rule for one tensor: close to eager, or no further from float64 than
     `factor` times eager's distance (plus one ulp of the largest value)."""

@@ -65,7 +65,9 @@ def test_output_structure_is_preserved(name: str) -> None:
     ours = opfuse.compile(m, (a, b))(a, b)
     ref = m(a, b)
     assert type(ours) is type(ref)
-    assert pytree.tree_structure(ours) == pytree.tree_structure(ref) or dataclasses.is_dataclass(ref)
+    assert pytree.tree_structure(ours) == pytree.tree_structure(ref) or dataclasses.is_dataclass(
+        ref
+    )
     assert_matches_eager(m, ours, (a, b))
     if isinstance(ref, Out):
         assert ours.aux == 7 and isinstance(ours.hidden, tuple)
@@ -73,7 +75,9 @@ def test_output_structure_is_preserved(name: str) -> None:
 
 def test_kwargs_inputs() -> None:
     class M(nn.Module):
-        def forward(self, x: torch.Tensor, *, scale: torch.Tensor, bias: float = 1.0) -> torch.Tensor:
+        def forward(
+            self, x: torch.Tensor, *, scale: torch.Tensor, bias: float = 1.0
+        ) -> torch.Tensor:
             return x * scale + bias
 
     m = M().eval()
@@ -182,8 +186,14 @@ def test_explain_report_fields() -> None:
     r = opfuse.explain(m, torch.randn(5, 8))
     assert r.kernels_before > r.kernels_after >= 3
     for g in r.groups:
-        assert g.pattern in ("elementwise", "reduction", "gemm_epilogue", "conv_epilogue",
-                             "library", "fallback")
+        assert g.pattern in (
+            "elementwise",
+            "reduction",
+            "gemm_epilogue",
+            "conv_epilogue",
+            "library",
+            "fallback",
+        )
         assert g.ops and g.modules
     assert isinstance(r.folds, list) and isinstance(r.rejected, list)
     assert "pattern" in str(r)
@@ -203,8 +213,13 @@ def test_torch_compile_backend_registered_by_entry_point() -> None:
         print("ok", "opfuse" in sys.modules)
         """
     )
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ))
+    res = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.split() == ["ok", "True"]  # loaded by torch through the entry point
 

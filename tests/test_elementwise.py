@@ -20,8 +20,16 @@ def compile_and_check(fn, *args):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8, 16, 32])
 def test_chain_of_n_ops_is_one_kernel(n: int) -> None:
-    ops = [torch.sin, lambda t: t * 1.5, torch.relu, lambda t: t + 0.25, torch.sigmoid,
-           lambda t: t - 0.5, torch.tanh, torch.exp]
+    ops = [
+        torch.sin,
+        lambda t: t * 1.5,
+        torch.relu,
+        lambda t: t + 0.25,
+        torch.sigmoid,
+        lambda t: t - 0.5,
+        torch.tanh,
+        torch.exp,
+    ]
 
     def chain(x):  # type: ignore[no-untyped-def]
         for i in range(n):

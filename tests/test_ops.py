@@ -17,8 +17,29 @@ aten = torch.ops.aten
 def special(n: int = 256, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, generator=g) * 3
-    vals = [math.nan, math.inf, -math.inf, 0.0, -0.0, 1e-30, -1e-30, 88.0, -88.0, 1e30, -1e30,
-            0.5, -0.5, 2.5, -2.5, 3.0, -3.0, 1.0, -1.0, 20.0, 21.0]
+    vals = [
+        math.nan,
+        math.inf,
+        -math.inf,
+        0.0,
+        -0.0,
+        1e-30,
+        -1e-30,
+        88.0,
+        -88.0,
+        1e30,
+        -1e30,
+        0.5,
+        -0.5,
+        2.5,
+        -2.5,
+        3.0,
+        -3.0,
+        1.0,
+        -1.0,
+        20.0,
+        21.0,
+    ]
     x[: len(vals)] = torch.tensor(vals)
     return x.to(dtype)
 
@@ -28,47 +49,113 @@ def positive(n: int = 256) -> torch.Tensor:
 
 
 UNARY = {
-    "neg": torch.neg, "abs": torch.abs, "exp": torch.exp, "exp2": torch.exp2,
-    "expm1": torch.expm1, "log": torch.log, "log1p": torch.log1p, "log2": torch.log2,
-    "log10": torch.log10, "sqrt": torch.sqrt, "rsqrt": torch.rsqrt,
-    "reciprocal": torch.reciprocal, "sin": torch.sin, "cos": torch.cos, "tan": torch.tan,
-    "tanh": torch.tanh, "sigmoid": torch.sigmoid, "erf": torch.erf, "erfc": torch.erfc,
-    "asin": torch.asin, "acos": torch.acos, "atan": torch.atan, "sinh": torch.sinh,
-    "cosh": torch.cosh, "asinh": torch.asinh, "acosh": torch.acosh, "atanh": torch.atanh,
-    "relu": torch.relu, "gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "silu": F.silu, "hardswish": F.hardswish, "hardsigmoid": F.hardsigmoid,
-    "hardtanh": F.hardtanh, "relu6": F.relu6, "clamp": lambda x: x.clamp(-1.5, 2.0),
-    "clamp_min": lambda x: x.clamp(min=0.25), "clamp_max": lambda x: x.clamp(max=0.25),
-    "leaky_relu": lambda x: F.leaky_relu(x, 0.2), "elu": F.elu,
-    "selu": F.selu, "celu": lambda x: F.celu(x, 0.7),
-    "softplus": F.softplus, "softplus_beta": lambda x: F.softplus(x, beta=2, threshold=5),
-    "mish": F.mish, "floor": torch.floor, "ceil": torch.ceil, "round": torch.round,
-    "trunc": torch.trunc, "sign": torch.sign, "frac": torch.frac,
-    "isnan": torch.isnan, "isinf": torch.isinf, "isfinite": torch.isfinite,
-    "signbit": torch.signbit, "square": torch.square, "pow2": lambda x: x**2,
-    "pow3": lambda x: x**3, "pow_half": lambda x: x**0.5, "pow_m1": lambda x: x**-1,
-    "pow_m2": lambda x: x**-2, "pow_1_7": lambda x: x**1.7, "rpow": lambda x: 2.0**x,
-    "nan_to_num": torch.nan_to_num, "logical_not": torch.logical_not,
-    "to_half": lambda x: x.half(), "to_bf16": lambda x: x.bfloat16(),
-    "to_double": lambda x: x.double(), "to_int": lambda x: x.clamp(-1000, 1000).int(),
-    "to_bool": lambda x: x.bool(), "masked_fill": lambda x: x.masked_fill(x > 1, -7.0),
+    "neg": torch.neg,
+    "abs": torch.abs,
+    "exp": torch.exp,
+    "exp2": torch.exp2,
+    "expm1": torch.expm1,
+    "log": torch.log,
+    "log1p": torch.log1p,
+    "log2": torch.log2,
+    "log10": torch.log10,
+    "sqrt": torch.sqrt,
+    "rsqrt": torch.rsqrt,
+    "reciprocal": torch.reciprocal,
+    "sin": torch.sin,
+    "cos": torch.cos,
+    "tan": torch.tan,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "erf": torch.erf,
+    "erfc": torch.erfc,
+    "asin": torch.asin,
+    "acos": torch.acos,
+    "atan": torch.atan,
+    "sinh": torch.sinh,
+    "cosh": torch.cosh,
+    "asinh": torch.asinh,
+    "acosh": torch.acosh,
+    "atanh": torch.atanh,
+    "relu": torch.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "silu": F.silu,
+    "hardswish": F.hardswish,
+    "hardsigmoid": F.hardsigmoid,
+    "hardtanh": F.hardtanh,
+    "relu6": F.relu6,
+    "clamp": lambda x: x.clamp(-1.5, 2.0),
+    "clamp_min": lambda x: x.clamp(min=0.25),
+    "clamp_max": lambda x: x.clamp(max=0.25),
+    "leaky_relu": lambda x: F.leaky_relu(x, 0.2),
+    "elu": F.elu,
+    "selu": F.selu,
+    "celu": lambda x: F.celu(x, 0.7),
+    "softplus": F.softplus,
+    "softplus_beta": lambda x: F.softplus(x, beta=2, threshold=5),
+    "mish": F.mish,
+    "floor": torch.floor,
+    "ceil": torch.ceil,
+    "round": torch.round,
+    "trunc": torch.trunc,
+    "sign": torch.sign,
+    "frac": torch.frac,
+    "isnan": torch.isnan,
+    "isinf": torch.isinf,
+    "isfinite": torch.isfinite,
+    "signbit": torch.signbit,
+    "square": torch.square,
+    "pow2": lambda x: x**2,
+    "pow3": lambda x: x**3,
+    "pow_half": lambda x: x**0.5,
+    "pow_m1": lambda x: x**-1,
+    "pow_m2": lambda x: x**-2,
+    "pow_1_7": lambda x: x**1.7,
+    "rpow": lambda x: 2.0**x,
+    "nan_to_num": torch.nan_to_num,
+    "logical_not": torch.logical_not,
+    "to_half": lambda x: x.half(),
+    "to_bf16": lambda x: x.bfloat16(),
+    "to_double": lambda x: x.double(),
+    "to_int": lambda x: x.clamp(-1000, 1000).int(),
+    "to_bool": lambda x: x.bool(),
+    "masked_fill": lambda x: x.masked_fill(x > 1, -7.0),
     "where_scalar": lambda x: torch.where(x > 0, x, 0.0),
     "threshold": lambda x: F.threshold(x, 0.5, -1.0),
 }
 
 BINARY = {
-    "add": torch.add, "add_alpha": lambda a, b: torch.add(a, b, alpha=2.5),
-    "sub": torch.sub, "rsub": lambda a, b: torch.rsub(a, b, alpha=0.5), "mul": torch.mul,
-    "div": torch.div, "div_trunc": lambda a, b: torch.div(a, b, rounding_mode="trunc"),
+    "add": torch.add,
+    "add_alpha": lambda a, b: torch.add(a, b, alpha=2.5),
+    "sub": torch.sub,
+    "rsub": lambda a, b: torch.rsub(a, b, alpha=0.5),
+    "mul": torch.mul,
+    "div": torch.div,
+    "div_trunc": lambda a, b: torch.div(a, b, rounding_mode="trunc"),
     "div_floor": lambda a, b: torch.div(a, b, rounding_mode="floor"),
-    "floor_divide": torch.floor_divide, "fmod": torch.fmod, "remainder": torch.remainder,
-    "pow": torch.pow, "maximum": torch.maximum, "minimum": torch.minimum,
-    "fmax": torch.fmax, "fmin": torch.fmin, "atan2": torch.atan2, "hypot": torch.hypot,
-    "copysign": torch.copysign, "eq": torch.eq, "ne": torch.ne, "lt": torch.lt,
-    "le": torch.le, "gt": torch.gt, "ge": torch.ge,
-    "logical_and": torch.logical_and, "logical_or": torch.logical_or,
-    "logical_xor": torch.logical_xor, "where": lambda a, b: torch.where(a > b, a, b),
-    "lerp": lambda a, b: torch.lerp(a, b, 0.3), "lerp_t": lambda a, b: torch.lerp(a, b, b.sigmoid()),
+    "floor_divide": torch.floor_divide,
+    "fmod": torch.fmod,
+    "remainder": torch.remainder,
+    "pow": torch.pow,
+    "maximum": torch.maximum,
+    "minimum": torch.minimum,
+    "fmax": torch.fmax,
+    "fmin": torch.fmin,
+    "atan2": torch.atan2,
+    "hypot": torch.hypot,
+    "copysign": torch.copysign,
+    "eq": torch.eq,
+    "ne": torch.ne,
+    "lt": torch.lt,
+    "le": torch.le,
+    "gt": torch.gt,
+    "ge": torch.ge,
+    "logical_and": torch.logical_and,
+    "logical_or": torch.logical_or,
+    "logical_xor": torch.logical_xor,
+    "where": lambda a, b: torch.where(a > b, a, b),
+    "lerp": lambda a, b: torch.lerp(a, b, 0.3),
+    "lerp_t": lambda a, b: torch.lerp(a, b, b.sigmoid()),
     "addcmul": lambda a, b: torch.addcmul(a, a, b, value=0.5),
     "addcdiv": lambda a, b: torch.addcdiv(a, a, b.abs() + 1, value=-2.0),
     "threshold_backward": lambda a, b: aten.threshold_backward(a, b, 0.0),
@@ -111,8 +198,22 @@ def test_binary(name: str) -> None:
     assert_matches_eager(m, fast(a, b), (a, b))
 
 
-INT_BINARY = ["add", "sub", "mul", "div", "div_trunc", "div_floor", "fmod", "remainder",
-              "maximum", "minimum", "eq", "lt", "where", "logical_and"]
+INT_BINARY = [
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "div_trunc",
+    "div_floor",
+    "fmod",
+    "remainder",
+    "maximum",
+    "minimum",
+    "eq",
+    "lt",
+    "where",
+    "logical_and",
+]
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.int8, torch.uint8])
@@ -129,7 +230,8 @@ def test_integer(name: str, dtype: torch.dtype) -> None:
 
 
 def test_integer_division_by_zero_raises_like_torch() -> None:
-    a = torch.tensor([5, 7, -9]); b = torch.tensor([2, 0, 3])
+    a = torch.tensor([5, 7, -9])
+    b = torch.tensor([2, 0, 3])
     m = Fn(lambda x, y: (x + 1) // y).eval()
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
         m(a, b)
@@ -155,7 +257,9 @@ def test_float_dtypes_binary(name: str, dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
-@pytest.mark.parametrize("name", ["exp", "gelu", "silu", "tanh", "sigmoid", "round", "to_int", "isnan"])
+@pytest.mark.parametrize(
+    "name", ["exp", "gelu", "silu", "tanh", "sigmoid", "round", "to_int", "isnan"]
+)
 def test_float_dtypes_unary(name: str, dtype: torch.dtype) -> None:
     x = special(dtype=dtype)
     m = Fn(lambda a: UNARY[name](a * 1)).eval()

@@ -14,14 +14,33 @@ import opfuse
 from tests.conftest import Fn, assert_matches_eager
 
 UNARY = [
-    torch.relu, torch.sigmoid, torch.tanh, torch.neg, torch.abs, torch.sin, torch.cos,
-    lambda t: torch.sqrt(t.abs()), lambda t: torch.log1p(t.abs()), F.gelu, F.silu,
-    lambda t: t.clamp(-0.5, 0.75), lambda t: t * 0.5, lambda t: t + 1.25, torch.exp,
-    lambda t: F.leaky_relu(t, 0.1), F.hardswish, torch.erf,
+    torch.relu,
+    torch.sigmoid,
+    torch.tanh,
+    torch.neg,
+    torch.abs,
+    torch.sin,
+    torch.cos,
+    lambda t: torch.sqrt(t.abs()),
+    lambda t: torch.log1p(t.abs()),
+    F.gelu,
+    F.silu,
+    lambda t: t.clamp(-0.5, 0.75),
+    lambda t: t * 0.5,
+    lambda t: t + 1.25,
+    torch.exp,
+    lambda t: F.leaky_relu(t, 0.1),
+    F.hardswish,
+    torch.erf,
 ]
 BINARY = [
-    torch.add, torch.sub, torch.mul, torch.maximum, torch.minimum,
-    lambda a, b: a / (b.abs() + 0.5), lambda a, b: torch.lerp(a, b, 0.25),
+    torch.add,
+    torch.sub,
+    torch.mul,
+    torch.maximum,
+    torch.minimum,
+    lambda a, b: a / (b.abs() + 0.5),
+    lambda a, b: torch.lerp(a, b, 0.25),
 ]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 

@@ -51,7 +51,7 @@ def test_no_compiler_falls_back_to_torch(monkeypatch, fresh_cache, setting) -> N
 
 def test_compiler_error_falls_back(monkeypatch, fresh_cache, tmp_path) -> None:  # type: ignore[no-untyped-def]
     fake = tmp_path / "badcc"
-    fake.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo badcc 1.0; exit 0; fi\nexit 1\n")
+    fake.write_text('#!/bin/sh\nif [ "$1" = --version ]; then echo badcc 1.0; exit 0; fi\nexit 1\n')
     fake.chmod(0o755)
     monkeypatch.setenv("CC", str(fake))
     m, args = model(), inputs()
@@ -61,8 +61,14 @@ def test_compiler_error_falls_back(monkeypatch, fresh_cache, tmp_path) -> None: 
 
 
 def _run_child(code: str, env: dict[str, str]) -> str:
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, cwd=ROOT,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
@@ -93,9 +99,17 @@ def test_warm_cache_hit_and_corrupt_entry_rebuilt(tmp_path) -> None:  # type: ig
 
 def test_concurrent_builds_of_the_same_kernels(tmp_path) -> None:  # type: ignore[no-untyped-def]
     env = dict(os.environ, OPFUSE_CACHE_DIR=str(tmp_path / "c"))
-    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(CHILD)], env=env, cwd=ROOT,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for _ in range(4)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(CHILD)],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
     for p in procs:
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-2000:]
@@ -147,7 +161,9 @@ def test_new_shape_recompiles() -> None:
 def test_recompile_off_names_the_mismatch() -> None:
     m, (x, y) = model(), inputs()
     fast = opfuse.compile(m, (x, y), recompile=False)
-    with pytest.raises(opfuse.RecompileError, match=r"input 0 has shape \[10, 40\], compiled for \[50, 40\]"):
+    with pytest.raises(
+        opfuse.RecompileError, match=r"input 0 has shape \[10, 40\], compiled for \[50, 40\]"
+    ):
         fast(torch.randn(10, 40), y)
     with pytest.raises(opfuse.RecompileError, match="dtype"):
         fast(x.double(), y)

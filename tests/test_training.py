@@ -20,8 +20,13 @@ from tests.conftest import assert_no_worse
 def make_mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64), nn.SiLU(),
-        nn.Dropout(0.0), nn.Linear(64, 8),
+        nn.Linear(16, 64),
+        nn.GELU(),
+        nn.Linear(64, 64),
+        nn.LayerNorm(64),
+        nn.SiLU(),
+        nn.Dropout(0.0),
+        nn.Linear(64, 8),
     )
 
 
@@ -124,11 +129,20 @@ def test_ddp_two_processes_matches_single_process_eager(tmp_path) -> None:  # ty
     script = tmp_path / "worker.py"
     script.write_text(DDP_WORKER)
     out = tmp_path / "result.pt"
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               OPFUSE_TEST_ROOT=os.path.dirname(os.path.dirname(__file__)))
+    env = dict(
+        os.environ,
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        OPFUSE_TEST_ROOT=os.path.dirname(os.path.dirname(__file__)),
+    )
     procs = [
-        subprocess.Popen([sys.executable, str(script), str(r), "2", str(out)], env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen(
+            [sys.executable, str(script), str(r), "2", str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         for r in range(2)
     ]
     logs = [p.communicate(timeout=600)[0] for p in procs]
@@ -142,14 +156,19 @@ def test_ddp_two_processes_matches_single_process_eager(tmp_path) -> None:  # ty
     for _ in range(4):
         x = torch.randn(32, 16, generator=g)
         t = torch.randn(32, 8, generator=g)
-        halves = [nn.functional.mse_loss(model(x[i * 16:(i + 1) * 16]).softmax(-1) * 3,
-                                         t[i * 16:(i + 1) * 16]) for i in range(2)]
+        halves = [
+            nn.functional.mse_loss(
+                model(x[i * 16 : (i + 1) * 16]).softmax(-1) * 3, t[i * 16 : (i + 1) * 16]
+            )
+            for i in range(2)
+        ]
         loss = (halves[0] + halves[1]) / 2
         opt.zero_grad()
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(losses),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        torch.tensor(result["losses"]), torch.tensor(losses), rtol=1e-5, atol=1e-6
+    )
     for a, b in zip(result["params"], model.parameters()):
         torch.testing.assert_close(a, b.detach(), rtol=1e-4, atol=1e-6)

@@ -71,8 +71,11 @@ def check_partition(graph: Graph, part: Partition) -> None:
 def _through_views(n: Node, owner: dict[Node, int]) -> Node:
     from ..ir.ops import Kind, info
 
-    while n not in owner and n.args and isinstance(n.args[0], Node) and (
-        info(n.op).kind == Kind.INJECTIVE
+    while (
+        n not in owner
+        and n.args
+        and isinstance(n.args[0], Node)
+        and (info(n.op).kind == Kind.INJECTIVE)
     ):
         n = n.args[0]
     return n

@@ -211,7 +211,7 @@ class _Partitioner:
 
     def _result(self) -> Partition:
         groups: list[Group] = []
-        for gid, nodes in self.members.items():
+        for nodes in self.members.values():
             kinds = {self.kinds[n] for n in nodes}
             if Kind.REDUCTION in kinds:
                 pattern, anchor, reason = "reduction", None, ""
@@ -223,7 +223,7 @@ class _Partitioner:
                 pattern, anchor = "fallback", nodes[0]
                 reason = self.why_opaque.get(nodes[0], "no fused implementation")
             groups.append(Group(len(groups), nodes, pattern, anchor, reason))
-        groups = _toposort(groups, self.g, self.root)
+        groups = _toposort(groups, self.g)
         for i, g in enumerate(groups):
             g.id = i
         return Partition(groups, self.rejected, self.fusions)
@@ -233,7 +233,7 @@ def _domain(nodes: list[Node]) -> tuple[int, ...]:
     return max((n.tensor.shape for n in nodes), key=len)
 
 
-def _toposort(groups: list[Group], graph: Graph, root) -> list[Group]:  # type: ignore[no-untyped-def]
+def _toposort(groups: list[Group], graph: Graph) -> list[Group]:
     owner = {n: i for i, g in enumerate(groups) for n in g.nodes}
     deps: list[set[int]] = [set() for _ in groups]
     for i, g in enumerate(groups):

@@ -45,7 +45,7 @@ class Mod:
         return f"({self.x!r} % {self.d})"
 
 
-Atom = Union[Var, FloorDiv, Mod]
+Atom = Union[Var, FloorDiv, Mod]  # noqa: UP007 (a runtime alias: py3.10 has no `type`)
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,9 @@ class Ix:
                         const += c * atom.x.const
                         changed = True
                         break
-        terms = tuple(sorted(((a, c) for a, c in coefs.items() if c != 0), key=lambda t: repr(t[0])))
+        terms = tuple(
+            sorted(((a, c) for a, c in coefs.items() if c != 0), key=lambda t: repr(t[0]))
+        )
         return Ix(terms, const)
 
     def __add__(self, other: Ix | int) -> Ix:
@@ -107,7 +109,7 @@ class Ix:
             return self
         q, r = self._split(d)
         lo, hi = r.bounds()
-        if 0 <= lo and hi < d:
+        if lo >= 0 and hi < d:
             return q
         if len(r.terms) == 1 and r.const == 0 and r.terms[0][1] == 1:
             atom = r.terms[0][0]
@@ -121,7 +123,7 @@ class Ix:
             return Ix()
         _, r = self._split(d)
         lo, hi = r.bounds()
-        if 0 <= lo and hi < d:
+        if lo >= 0 and hi < d:
             return r
         if len(r.terms) == 1 and r.const == 0 and r.terms[0][1] == 1:
             atom = r.terms[0][0]
@@ -196,7 +198,7 @@ def atom_bounds(a: Atom) -> tuple[int, int]:
     lo, hi = a.x.bounds()
     if isinstance(a, FloorDiv):
         return lo // a.d, hi // a.d
-    if 0 <= lo and hi < a.d:
+    if lo >= 0 and hi < a.d:
         return lo, hi
     return 0, a.d - 1
 

@@ -30,7 +30,13 @@ def infer_meta(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
 
 def _to_meta(v: Any, device: str) -> Any:
     if isinstance(v, torch.Tensor):
-        return TensorMeta(tuple(v.shape), tuple(v.stride()), v.dtype, device, v.storage_offset())
+        return TensorMeta(
+            tuple(int(s) for s in v.shape),
+            tuple(int(s) for s in v.stride()),
+            v.dtype,
+            device,
+            int(v.storage_offset()),
+        )
     if isinstance(v, (tuple, list)):
         return tuple(_to_meta(x, device) for x in v)
     return None

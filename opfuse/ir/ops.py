@@ -208,7 +208,7 @@ def _add(self: Expr, other: Any, alpha: Any = 1) -> Expr:
 
 # -- index maps of views: output multi-index -> input multi-index -------------
 def _shape(x: Any) -> tuple[int, ...]:
-    return x.meta.shape  # type: ignore[no-any-return]
+    return x.meta.shape
 
 
 def _norm_dim(d: int, n: int) -> int:
@@ -235,7 +235,9 @@ def ix_t(out: Sequence[Ix], self: Any) -> tuple[Ix, ...]:
     return tuple(reversed(out)) if len(out) == 2 else tuple(out)
 
 
-def ix_expand(out: Sequence[Ix], self: Any, size: Sequence[int], implicit: bool = False) -> tuple[Ix, ...]:
+def ix_expand(
+    out: Sequence[Ix], self: Any, size: Sequence[int], implicit: bool = False
+) -> tuple[Ix, ...]:
     shape = _shape(self)
     lead = len(out) - len(shape)
     return tuple(Ix() if shape[d] == 1 else out[d + lead] for d in range(len(shape)))
@@ -275,7 +277,7 @@ def ix_select(out: Sequence[Ix], self: Any, dim: int, index: int) -> tuple[Ix, .
     shape = _shape(self)
     d = _norm_dim(dim, len(shape))
     i = index + shape[d] if index < 0 else index
-    return tuple(out[:d]) + (Ix.of(i),) + tuple(out[d:])
+    return (*out[:d], Ix.of(i), *out[d:])
 
 
 def ix_view(out: Sequence[Ix], self: Any, size: Sequence[int]) -> tuple[Ix, ...]:
@@ -313,6 +315,7 @@ def _u(prim: str) -> OpInfo:
 OPAQUE = OpInfo(Kind.OPAQUE)
 ANCHOR = OpInfo(Kind.ANCHOR)
 
+# fmt: off
 OPS: dict[str, OpInfo] = {
     # arithmetic
     "aten.add.Tensor": pw(_add),
@@ -491,6 +494,7 @@ OPS: dict[str, OpInfo] = {
     "aten.baddbmm.default": ANCHOR,
     "aten.convolution.default": ANCHOR,
 }
+# fmt: on
 
 # Ops whose result is a view of their input (they never launch a kernel).
 VIEW_OPS = frozenset(k for k, v in OPS.items() if v.kind == Kind.INJECTIVE)

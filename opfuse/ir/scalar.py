@@ -163,7 +163,9 @@ class Expr:
     dtype: torch.dtype
     value: Any
 
-    def __new__(cls, op: str, args: tuple[Expr, ...], dtype: torch.dtype, value: Any = None) -> Expr:
+    def __new__(
+        cls, op: str, args: tuple[Expr, ...], dtype: torch.dtype, value: Any = None
+    ) -> Expr:
         key = (op, tuple(id(a) for a in args), dtype, _value_key(value))
         hit = _INTERNED.get(key)
         if hit is not None:
@@ -214,16 +216,16 @@ class Expr:
     def __neg__(self) -> Expr:
         return unary("neg", self)
 
-    def __lt__(self, o: Any) -> Expr:  # type: ignore[override]
+    def __lt__(self, o: Any) -> Expr:
         return binary("lt", self, o)
 
-    def __le__(self, o: Any) -> Expr:  # type: ignore[override]
+    def __le__(self, o: Any) -> Expr:
         return binary("le", self, o)
 
-    def __gt__(self, o: Any) -> Expr:  # type: ignore[override]
+    def __gt__(self, o: Any) -> Expr:
         return binary("gt", self, o)
 
-    def __ge__(self, o: Any) -> Expr:  # type: ignore[override]
+    def __ge__(self, o: Any) -> Expr:
         return binary("ge", self, o)
 
     def __and__(self, o: Any) -> Expr:

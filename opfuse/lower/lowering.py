@@ -85,6 +85,12 @@ class _Lowering:
         self.acc_results: dict[Node, tuple[Expr, ...]] = {}
         self.checks: list[Expr] = []
         self.recomputed: set[Node] = set()
+        # the domain, set by run(): full shape, reduced dims, loop variables and index
+        self.full_shape: tuple[int, ...] = ()
+        self.dims: tuple[int, ...] = ()
+        self.full_vars: tuple[Var, ...] = ()
+        self.full_index: tuple[Ix, ...] = ()
+        self.reduction_size = 1
 
     # -- group structure --------------------------------------------------------------
     def _used_outside(self, n: Node) -> bool:
@@ -107,9 +113,7 @@ class _Lowering:
         outs: list[Node] = []
         for m in self.order:
             if isinstance(m.meta, tuple):
-                outs.extend(
-                    u for u in self.g.users[m] if u.op == GETITEM and self._used_outside(u)
-                )
+                outs.extend(u for u in self.g.users[m] if u.op == GETITEM and self._used_outside(u))
             elif self._used_outside(m):
                 outs.append(m)
         return outs
@@ -219,10 +223,10 @@ class _Lowering:
         in_dtype = src.tensor.dtype
         adt = acc_dtype(red.combine, in_dtype)
         name = f"acc{len(self.accumulates)}"
-        value = x if red.combine in ("argmax", "argmin", "max", "min") else cast(x, adt)
-        if red.combine in ("argmax", "argmin", "max", "min"):
-            value = cast(x, opmath(in_dtype))
-        position = None
+        # max/min/argmax compare values exactly in opmath; sums and variances accumulate in adt
+        selects = red.combine in ("argmax", "argmin", "max", "min")
+        value = cast(x, opmath(in_dtype)) if selects else cast(x, adt)
+        position: Ix | None = None
         if red.combine in ("argmax", "argmin"):
             position = Ix()
             for d in self.dims:
@@ -317,9 +321,8 @@ class _Lowering:
         try:
             shape = tuple(torch.broadcast_shapes(*(o.tensor.shape for o in outs)))
         except RuntimeError:
-            raise NotFusable(
-                f"outputs have shapes {sorted({o.tensor.shape for o in outs})} that do not broadcast"
-            ) from None
+            shapes = sorted({o.tensor.shape for o in outs})
+            raise NotFusable(f"outputs have shapes {shapes} that do not broadcast") from None
         if not any(o.tensor.shape == shape for o in outs):
             raise NotFusable(f"no output covers the domain {list(shape)}")
         self.full_shape = shape
@@ -412,31 +415,27 @@ def _broadcast(idx: tuple[Ix, ...], out: Sequence[int], arg: Sequence[int]) -> t
 
 
 def _compute_dtype(n: Node) -> torch.dtype:
-    """Pointwise ops compute in opmath of their result; predicates in their operands' type."""
+    """Pointwise ops compute in opmath of their result; predicates (bool results) in the
+    promoted type of their operands, with torch's scalar and 0-d tensor rules."""
     out = n.tensor.dtype
     if out != torch.bool:
         return opmath(out)
-    metas = []
+    operands: list[Any] = []
     for name, v in bind(n).items():
         if name in info(n.op).keep:
             continue
         if isinstance(v, Node):
-            metas.append(torch.empty(v.tensor.shape and (1,) * len(v.tensor.shape),
-                                     dtype=v.tensor.dtype, device="meta"))
+            operands.append(torch.empty(v.tensor.shape, dtype=v.tensor.dtype, device="meta"))
         elif isinstance(v, (bool, int, float)):
-            metas.append(v)
-    if not metas:
+            operands.append(v)
+    if not any(isinstance(o, torch.Tensor) for o in operands):
         return torch.bool
-    t = metas[0] if len(metas) == 1 else _result_type(metas)
-    return opmath(t.dtype if isinstance(t, torch.Tensor) else t)
+    from torch._prims_common import ELEMENTWISE_TYPE_PROMOTION_KIND, elementwise_dtypes
 
-
-def _result_type(args: list[Any]) -> torch.dtype:
-    t = args[0]
-    dt = torch.result_type(t, args[1]) if not isinstance(t, torch.Tensor) or True else t.dtype
-    for a in args[2:]:
-        dt = torch.promote_types(dt, torch.result_type(a, a) if False else dt)
-    return dt
+    compute, _ = elementwise_dtypes(
+        *operands, type_promotion_kind=ELEMENTWISE_TYPE_PROMOTION_KIND.DEFAULT
+    )
+    return opmath(compute)
 
 
 def kernel_name(nodes: Sequence[Node], limit: int = 5) -> str:

@@ -93,7 +93,9 @@ def _groups(vars_: Sequence[Var], ixs: Sequence[Ix], primary: Ix | None) -> list
     live = [v for v in vars_ if v.extent > 1]
     if primary is not None:
         pos = {v: i for i, v in enumerate(live)}
-        walked = sorted((v for v in live if primary.coef(v)), key=lambda v: (-abs(primary.coef(v)), pos[v]))
+        walked = sorted(
+            (v for v in live if primary.coef(v)), key=lambda v: (-abs(primary.coef(v)), pos[v])
+        )
         rest = [v for v in live if not primary.coef(v)]
         live = rest + walked
     blocked = _blocked(ixs)
@@ -111,7 +113,9 @@ def _groups(vars_: Sequence[Var], ixs: Sequence[Ix], primary: Ix | None) -> list
     return groups
 
 
-def _name_groups(groups: list[list[Var]], prefix: str, rename: dict[Var, tuple[Var, int]]) -> list[Var]:
+def _name_groups(
+    groups: list[list[Var]], prefix: str, rename: dict[Var, tuple[Var, int]]
+) -> list[Var]:
     out: list[Var] = []
     for i, g in enumerate(groups):
         extent = 1

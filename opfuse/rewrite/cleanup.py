@@ -31,7 +31,7 @@ def fold_constants(graph: Graph) -> Graph:
         if not foldable:
             b.copy(n)
             continue
-        args = _sub(n.args, b, values)
+        args: tuple[object, ...] = tuple(_sub(a, b, values) for a in n.args)
         kwargs = {k: _sub(v, b, values) for k, v in n.kwargs}
         with torch.no_grad():
             t = n.target(*args, **kwargs)

@@ -14,8 +14,27 @@ _SIGNED = ("int8_t", "int16_t", "int32_t", "int64_t")
 # Inf semantics, so opfuse declares them itself. (2.22: exp log sin cos pow; 2.35: rest.)
 MVEC_BASE = ("exp", "log", "sin", "cos", "pow")
 MVEC_235 = (
-    "acos", "acosh", "asin", "asinh", "atan", "atanh", "cbrt", "cosh", "erf", "erfc", "exp10",
-    "exp2", "expm1", "log10", "log1p", "log2", "sinh", "tan", "tanh", "atan2", "hypot",
+    "acos",
+    "acosh",
+    "asin",
+    "asinh",
+    "atan",
+    "atanh",
+    "cbrt",
+    "cosh",
+    "erf",
+    "erfc",
+    "exp10",
+    "exp2",
+    "expm1",
+    "log10",
+    "log1p",
+    "log2",
+    "sinh",
+    "tan",
+    "tanh",
+    "atan2",
+    "hypot",
 )
 _BINARY = ("pow", "atan2", "hypot")
 
@@ -158,7 +177,9 @@ def build_prelude(mvec: tuple[str, ...]) -> str:
     parts = [_HEAD, "#define OPFUSE_MAX_THREADS 1024\n", simd_declarations(mvec)]
     parts += [_instantiate(_FLOAT_HELPERS, t) for t in _FLOAT_TYPES]
     parts += [_instantiate(_INT_HELPERS, t) for t in _INT_TYPES]
-    parts += [f"static inline {t} op_not_{t}({t} a) {{ return ({t})~a; }}\n" for t in _INT_TYPES[:-1]]
+    parts += [
+        f"static inline {t} op_not_{t}({t} a) {{ return ({t})~a; }}\n" for t in _INT_TYPES[:-1]
+    ]
     parts.append("static inline bool op_not_bool(bool a) { return !a; }\n")
     parts += [_instantiate(_SIGNED_HELPERS, t) for t in _SIGNED]
     parts += [_instantiate(_UNSIGNED_HELPERS, t) for t in ("uint8_t", "bool")]

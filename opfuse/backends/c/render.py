@@ -346,8 +346,7 @@ def _combine_lanes(a: Accumulate, lines: list[str], indent: str) -> None:
         return
     init = _lane_fields(a)
     decl = ", ".join(
-        f"{n}_{part} = {init[0][2] if part == 'value' else 'INT64_MAX'}"
-        for part, _ in _results(a)
+        f"{n}_{part} = {init[0][2] if part == 'value' else 'INT64_MAX'}" for part, _ in _results(a)
     )
     types = {t for _, t in _results(a)}
     if len(types) == 1:
@@ -360,7 +359,12 @@ def _combine_lanes(a: Accumulate, lines: list[str], indent: str) -> None:
 
 
 def _pass_body(
-    em: Emitter, p: Pass, inner: Sequence[Var], lines: list[str], indent: str, split: bool,
+    em: Emitter,
+    p: Pass,
+    inner: Sequence[Var],
+    lines: list[str],
+    indent: str,
+    split: bool,
     number: int = 0,
 ) -> None:
     """Loops over the inner domain of one pass; the last inner variable is walked in lanes.
@@ -406,7 +410,9 @@ def _pass_body(
         em.scopes.pop()
         lines.append(f"{ind}  }}")
         lines.append(f"{ind}}}")
-        lines.append(f"{ind}for (int64_t {last.name} = {b}; {last.name} < {stop}; {last.name}++) {{")
+        lines.append(
+            f"{ind}for (int64_t {last.name} = {b}; {last.name} < {stop}; {last.name}++) {{"
+        )
         em.scopes.append({})
         _accumulate(em, p, lines, ind + "  ", "0", tail=True)
         em.scopes.pop()
@@ -476,7 +482,9 @@ def _split(k: Kernel, lines: list[str]) -> None:
     first = k.inner[0]
     align = LANES if len(k.inner) == 1 else 1
     ext = first.extent
-    lines.append(f"    const int64_t chunk = (({ext} + nt - 1) / nt + {align - 1}) / {align} * {align};")
+    lines.append(
+        f"    const int64_t chunk = (({ext} + nt - 1) / nt + {align - 1}) / {align} * {align};"
+    )
     lines.append(f"    const int64_t lo = tid * chunk < {ext} ? tid * chunk : {ext};")
     lines.append(f"    const int64_t hi = lo + chunk < {ext} ? lo + chunk : {ext};")
     indent = "    "
@@ -498,7 +506,9 @@ def _split(k: Kernel, lines: list[str]) -> None:
                 f"{a.name}_{part} = {_reset_value(a, part)}" for part, _ in _results(a)
             )
             lines.append(f"{indent}{reset};")
-            lines.append(f"{indent}for (int q = 0; q < nt; q++) {_merge_step(a, a.name + '_P', 'q')}")
+            lines.append(
+                f"{indent}for (int q = 0; q < nt; q++) {_merge_step(a, a.name + '_P', 'q')}"
+            )
             _publish(em, a)
         if p.accumulates:
             # Nobody may overwrite the partials (next row or pass) before all have read them.

@@ -1,0 +1,1 @@
+"""Benchmarks: eager vs TorchInductor vs opfuse, side by side in one process."""

@@ -1,0 +1,45 @@
+"""Interleaved timing: every repetition runs each candidate once, in turn, so that machine
+drift (frequency, other load) hits all candidates alike. Reports median, min and max."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Timing:
+    median: float
+    low: float
+    high: float
+    reps: int
+
+    def ms(self) -> str:
+        return f"{self.median * 1e3:.3f}"
+
+
+def time_interleaved(
+    candidates: Mapping[str, Callable[[], object]],
+    reps: int = 15,
+    warmup: int = 3,
+    min_seconds: float = 0.0,
+) -> dict[str, Timing]:
+    """Time each zero-argument callable `reps` times, candidates interleaved."""
+    with torch.no_grad():
+        for fn in candidates.values():
+            for _ in range(warmup):
+                fn()
+        samples: dict[str, list[float]] = {k: [] for k in candidates}
+        start = time.perf_counter()
+        r = 0
+        while r < reps or time.perf_counter() - start < min_seconds:
+            for k, fn in candidates.items():
+                t0 = time.perf_counter()
+                fn()
+                samples[k].append(time.perf_counter() - t0)
+            r += 1
+    return {k: Timing(statistics.median(v), min(v), max(v), len(v)) for k, v in samples.items()}
