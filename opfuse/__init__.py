@@ -6,8 +6,17 @@ torch.compile(model, backend="opfuse")            # inference and training
 """
 
 from .api import CompiledModule, RecompileError, compile, explain
+from .fold import fold_batchnorm
 from .pipeline import Options
 from .report import FusionReport
 
 __version__ = "0.1.0"
-__all__ = ["CompiledModule", "FusionReport", "Options", "RecompileError", "compile", "explain"]
+__all__ = [
+    "CompiledModule",
+    "FusionReport",
+    "Options",
+    "RecompileError",
+    "compile",
+    "explain",
+    "fold_batchnorm",
+]

@@ -15,7 +15,7 @@ from . import structure
 from .capture import Captured, CaptureError, capture_module
 from .explain import count_kernels
 from .pipeline import CompiledGraph, Options, compile_graph, warn_once
-from .report import FusionReport
+from .report import FusionReport, RejectReport
 
 
 class RecompileError(RuntimeError):
@@ -206,7 +206,17 @@ def explain(
     from .dynamo import collect_reports
 
     # Training mode runs the model once; a copy keeps the caller's running stats intact.
-    return collect_reports(copy.deepcopy(model), args, kwargs)
+    report = collect_reports(copy.deepcopy(model), args, kwargs)
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm):
+            report.rejected.append(
+                RejectReport(
+                    "",
+                    name,
+                    "training mode: BatchNorm normalises with batch statistics and is not folded",
+                )
+            )
+    return report
 
 
 __all__ = ["CompiledModule", "RecompileError", "compile", "count_kernels", "explain"]

@@ -80,6 +80,9 @@ def decompositions() -> dict[Any, Callable[..., Any]]:
     table.update(get_decompositions(list(_DECOMPOSE)))
     for op in _KEEP_WHOLE:
         table.pop(op, None)
+    # BatchNorm without running statistics stays whole so that the BatchNorm pass can say
+    # why it is not folded; it lowers it itself (rewrite/batchnorm.py).
+    table.pop(aten._native_batch_norm_legit.no_stats, None)
     return table
 
 
@@ -232,6 +235,23 @@ def _strip(target: str) -> str:
     return target[2:] if target.startswith("m.") else target
 
 
+def module_calls_fx(module: torch.nn.Module) -> list[tuple[str, str | None, int]] | None:
+    """Submodule calls found by torch.fx symbolic tracing: (called module, the module whose
+    output it reads directly or None, how many users its output has). None if the model
+    cannot be traced symbolically."""
+    try:
+        gm = torch.fx.symbolic_trace(module)
+    except Exception:
+        return None
+    calls: list[tuple[str, str | None, int]] = []
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            a = n.args[0] if n.args else None
+            src = a.target if isinstance(a, torch.fx.Node) and a.op == "call_module" else None
+            calls.append((str(n.target), str(src) if src is not None else None, len(n.users)))
+    return calls
+
+
 # -- AOTAutograd graphs (torch.compile backend) -----------------------------------------
 def capture_fx(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Graph, list[int]]:
     """Convert an ATen-level fx graph, re-deriving every shape from `example_inputs`
@@ -359,7 +379,7 @@ def _convert(
         elif n.op == "output":
             outs = n.args[0]
             outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-            graph = b.build([env.get(o) if isinstance(o, torch.fx.Node) else None for o in outs])
+            graph = b.build([env.get(o) if isinstance(o, torch.fx.Node) else o for o in outs])
             return graph, env
         else:
             raise CaptureError(f"unsupported fx node {n.op} {n.target}")

@@ -28,8 +28,8 @@ from .ir.graph import Graph
 from .lower.kernel import Kernel
 from .lower.lowering import NotFusable, lower_group
 from .plan import BuiltKernel, build_plan
-from .report import FusionReport
-from .rewrite.batchnorm import lower_batchnorm
+from .report import FoldReport, FusionReport, RejectReport
+from .rewrite.batchnorm import Fold, Refusal, fold_batchnorm, lower_batchnorm
 from .rewrite.cleanup import fold_constants
 from .runtime import Runtime
 
@@ -79,7 +79,7 @@ def compile_graph(
     """Everything after capture: rewrite, fuse, lower, render, build, plan."""
     opts = options or Options()
     t0 = time.perf_counter()
-    graph = rewrite(graph, opts)
+    graph, folds, refusals = rewrite(graph, opts)
     kinds = classify(graph)
     part = partition(graph, kinds, Fuel(opts.fuel))
     check_partition(graph, part)
@@ -89,6 +89,10 @@ def compile_graph(
     from .explain import make_report
 
     report = make_report(graph, part, kernels, built, eager_kernels, source)
+    report.folds = [FoldReport(f.conv, f.batchnorm) for f in folds]
+    report.rejected = [RejectReport(r.producer, r.batchnorm, r.reason) for r in refusals] + (
+        report.rejected
+    )
     report.compile_seconds = time.perf_counter() - t0
     report.cached = cached
     if problem:
@@ -98,10 +102,14 @@ def compile_graph(
     return CompiledGraph(graph, Runtime(plan), report, source)
 
 
-def rewrite(graph: Graph, opts: Options) -> Graph:
+def rewrite(graph: Graph, opts: Options) -> tuple[Graph, list[Fold], list[Refusal]]:
+    folds: list[Fold] = []
+    refusals: list[Refusal] = []
+    if opts.fold_batchnorm:
+        graph, folds, refusals = fold_batchnorm(graph)
     graph = fold_constants(graph)
     graph = lower_batchnorm(graph)
-    return fold_constants(graph)
+    return fold_constants(graph), folds, refusals
 
 
 def lower(graph: Graph, part: Partition) -> dict[int, Kernel]:

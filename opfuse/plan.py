@@ -105,7 +105,7 @@ def build_plan(
             ready.add(o)
             pooled_outputs.append((si, oi, o))
     for out in graph.outputs:
-        if out is not None:
+        if isinstance(out, Node):
             need(out)
 
     # Memory plan: an intermediate's lifetime runs to the last read of it or any alias.
@@ -116,7 +116,7 @@ def build_plan(
             if _aliases_input(n) and n.inputs():
                 base = n.inputs()[0]
                 alias_of[n] = alias_of.get(base, base)
-    escapes = {alias_of.get(o, o) for o in graph.outputs if o is not None}
+    escapes = {alias_of.get(o, o) for o in graph.output_set}
     last_read: dict[Node, int] = {}
     for n, rs in readers.items():
         base = alias_of.get(n, n)
@@ -136,7 +136,7 @@ def build_plan(
     return Plan(
         n_slots=len(graph.nodes),
         input_slots=[slot[i] for i in graph.inputs],
-        output_slots=[slot[o] if o is not None else None for o in graph.outputs],
+        outputs=[Slot(slot[o]) if isinstance(o, Node) else o for o in graph.outputs],
         constants=constants,
         steps=steps,
         pool_sizes=sizes,

@@ -61,7 +61,7 @@ Step = KernelStep | TorchStep
 class Plan:
     n_slots: int
     input_slots: list[int]
-    output_slots: list[int | None]
+    outputs: list[Any]  # Slot of each graph output, or its plain value
     constants: dict[int, Any]
     steps: list[Step]
     pool_sizes: list[int]  # bytes per pooled block
@@ -138,7 +138,7 @@ class Runtime:
                 args = _resolve(step.args, env)
                 kwargs = {k: _resolve(v, env) for k, v in step.kwargs.items()}
                 env[step.output] = step.fn(*args, **kwargs)
-        return [env[s] if s is not None else None for s in plan.output_slots]
+        return [env[s.index] if type(s) is Slot else s for s in plan.outputs]
 
 
 # References to a recycled output while nobody else holds it: the cache entry, the local

@@ -144,7 +144,7 @@ class Graph:
 
     inputs: tuple[Node, ...]
     nodes: tuple[Node, ...]  # includes inputs and constants, topologically sorted
-    outputs: tuple[Node | None, ...]
+    outputs: tuple[Any, ...]  # Nodes, or plain values (None, ints AOTAutograd saves)
     constants: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
     @functools.cached_property
@@ -157,7 +157,7 @@ class Graph:
 
     @functools.cached_property
     def output_set(self) -> frozenset[Node]:
-        return frozenset(o for o in self.outputs if o is not None)
+        return frozenset(o for o in self.outputs if isinstance(o, Node))
 
     @functools.cached_property
     def index(self) -> dict[Node, int]:
@@ -271,8 +271,8 @@ class GraphBuilder:
         self._old_constants = graph.constants
         return self
 
-    def build(self, outputs: Sequence[Node | None]) -> Graph:
-        outs = tuple(self.get(o) if o is not None else None for o in outputs)
+    def build(self, outputs: Sequence[Any]) -> Graph:
+        outs = tuple(self.get(o) if isinstance(o, Node) else o for o in outputs)
         live = _live_nodes(self.nodes, outs)
         nodes = tuple(n for n in self.nodes if n in live or n.op == INPUT)
         used_consts = {n.name for n in nodes if n.op == CONSTANT}
@@ -286,10 +286,10 @@ def default_name(op: str) -> str:
     return parts[1] if len(parts) > 1 else op
 
 
-def _live_nodes(nodes: Sequence[Node], outputs: Sequence[Node | None]) -> set[Node]:
+def _live_nodes(nodes: Sequence[Node], outputs: Sequence[Any]) -> set[Node]:
     """Nodes that an output depends on (dead code is dropped by `build`)."""
     live: set[Node] = set()
-    stack = [o for o in outputs if o is not None]
+    stack = [o for o in outputs if isinstance(o, Node)]
     while stack:
         n = stack.pop()
         if n in live:

@@ -418,6 +418,7 @@ OPS: dict[str, OpInfo] = {
     "aten.copy.default": pw(lambda self, src, non_blocking=False: src, keep=("self", "src")),
     "aten.lift_fresh_copy.default": pw(lambda self: self, keep=("self",)),
     "prims.convert_element_type.default": pw(lambda a, dtype: a, keep=("a",)),
+    "prims.copy_strided.default": pw(lambda a, stride: a, keep=("a",)),  # layout change only
     "aten.scalar_tensor.default": pw(lambda s, **_: s),
     "aten.full.default": pw(lambda size, fill_value, **_: fill_value),
     "aten.full_like.default": pw(lambda self, fill_value, **_: fill_value, keep=("self",)),
