@@ -97,7 +97,7 @@ class _Partitioner:
         """The node whose data a value is, looking through views (getitem included)."""
         while n.op not in (INPUT, CONSTANT) and self.kinds.get(n) == Kind.INJECTIVE:
             src = n.args[0]
-            if not isinstance(src, Node) or (n.op == "aten.as_strided.default"):
+            if not isinstance(src, Node):
                 break
             if n.op != GETITEM and info(n.op).index is None:
                 break

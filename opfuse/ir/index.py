@@ -67,20 +67,37 @@ class Ix:
     @staticmethod
     def _norm(coefs: Mapping[Atom, int], const: int) -> Ix:
         coefs = dict(coefs)
-        # W*(x // W) + x % W == x: fold such pairs back into x.
+        # W*(x // W) + x % W == x, and W*((x // W) % H) + x % W == x % (W*H): fold such
+        # pairs, which reshapes of contiguous data produce.
         changed = True
         while changed:
             changed = False
             for atom, c in list(coefs.items()):
-                if isinstance(atom, Mod) and c != 0:
-                    partner = FloorDiv(atom.x, atom.d)
-                    if coefs.get(partner, 0) == c * atom.d:
-                        del coefs[atom], coefs[partner]
-                        for a2, c2 in atom.x.terms:
-                            coefs[a2] = coefs.get(a2, 0) + c * c2
-                        const += c * atom.x.const
+                if not isinstance(atom, Mod) or c == 0:
+                    continue
+                partner = FloorDiv(atom.x, atom.d)
+                if coefs.get(partner, 0) == c * atom.d:
+                    del coefs[atom], coefs[partner]
+                    for a2, c2 in atom.x.terms:
+                        coefs[a2] = coefs.get(a2, 0) + c * c2
+                    const += c * atom.x.const
+                    changed = True
+                    break
+                for other, c2 in list(coefs.items()):
+                    if (
+                        isinstance(other, Mod)
+                        and c2 == c * atom.d
+                        and other.x == Ix(((partner, 1),))
+                    ):
+                        del coefs[atom], coefs[other]
+                        merged = atom.x % (atom.d * other.d)
+                        for a3, c3 in merged.terms:
+                            coefs[a3] = coefs.get(a3, 0) + c * c3
+                        const += c * merged.const
                         changed = True
                         break
+                if changed:
+                    break
         terms = tuple(
             sorted(((a, c) for a, c in coefs.items() if c != 0), key=lambda t: repr(t[0]))
         )

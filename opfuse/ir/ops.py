@@ -288,6 +288,24 @@ def ix_view(out: Sequence[Ix], self: Any, size: Sequence[int]) -> tuple[Ix, ...]
     return delinearize(linearize(out, out_shape), _shape(self))
 
 
+def ix_as_strided(
+    out: Sequence[Ix],
+    self: Any,
+    size: Sequence[int],
+    stride: Sequence[int],
+    storage_offset: Any = None,
+) -> tuple[Ix, ...]:
+    """as_strided addresses storage; on a row-major (contiguous) input that storage order
+    is its logical order, so the element offset delinearises into an input index."""
+    m = self.meta
+    if not m.is_contiguous():
+        raise ValueError("as_strided of a non-contiguous value")
+    flat = Ix.of((storage_offset if storage_offset is not None else m.offset) - m.offset)
+    for i, st in zip(out, stride):
+        flat = flat + i * st
+    return delinearize(flat, m.shape)
+
+
 def ix_identity(out: Sequence[Ix], self: Any, *args: Any, **kwargs: Any) -> tuple[Ix, ...]:
     return tuple(out)
 
@@ -464,7 +482,7 @@ OPS: dict[str, OpInfo] = {
     "aten.select.int": view(ix_select),
     "aten.alias.default": view(ix_identity),
     "aten.detach.default": view(ix_identity),
-    "aten.as_strided.default": OpInfo(Kind.INJECTIVE),  # external buffers only
+    "aten.as_strided.default": view(ix_as_strided),
     "getitem": OpInfo(Kind.INJECTIVE),
     # reductions
     "aten.sum.dim_IntList": red("sum"),

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ..ir.graph import GETITEM, Graph, Node, TensorMeta, bind
-from ..ir.index import Ix, Var, address
+from ..ir.index import Ix, Var, address, delinearize, linearize
 from ..ir.ops import Kind, info, is_generator
 from ..ir.scalar import Expr, cast, const, opmath, walk
 from .kernel import Accumulate, Buffer, Kernel, Pass, Store
@@ -136,8 +136,13 @@ class _Lowering:
         if n not in self.members:
             row = info(n.op)
             if row.kind == Kind.INJECTIVE and row.index is not None and n.op != GETITEM:
-                src = n.args[0]
-                return self.value(src, row.index(idx, *n.args, **n.kw))
+                try:
+                    src_idx = row.index(idx, *n.args, **n.kw)
+                except ValueError as e:
+                    if n.args[0] in self.members:
+                        raise NotFusable(f"{n.name}: {e}") from None
+                    return self._load(n, idx)  # a view torch materialises; read it as is
+                return self.value(n.args[0], src_idx)
             return self._load(n, idx)
         row = info(n.op)
         if row.pointwise:
@@ -283,11 +288,15 @@ class _Lowering:
                 idx = self.full_index
             elif reductions and m.shape in (self._kept_shape(True), self._kept_shape(False)):
                 idx = self._kept_index(m.shape)
-            elif not reductions:
+            elif _broadcasts_to(m.shape, self.full_shape, same_rank=bool(reductions)):
                 # A smaller output the domain broadcasts: store it where the broadcast
                 # dimensions are 0.
                 idx = _broadcast(self.full_index, self.full_shape, m.shape)
                 guard = _broadcast_guard(self.full_index, self.full_shape, m.shape)
+            elif reductions and m.numel == math.prod(self.full_shape):
+                # Same elements, another shape (GroupNorm's [N, C, H, W] output of an
+                # [N, G, C/G*H*W] reduction): walk the domain, store at the row-major match.
+                idx = delinearize(linearize(self.full_index, self.full_shape), m.shape)
             else:
                 raise NotFusable(
                     f"output {o.name} has shape {list(m.shape)}, the group computes "
@@ -395,6 +404,13 @@ class _Lowering:
             )
             for p in range(n_passes)
         )
+
+
+def _broadcasts_to(shape: Sequence[int], domain: Sequence[int], same_rank: bool) -> bool:
+    if len(shape) > len(domain) or (same_rank and len(shape) != len(domain)):
+        return False
+    lead = len(domain) - len(shape)
+    return all(s in (1, domain[k + lead]) for k, s in enumerate(shape))
 
 
 def _broadcast_guard(idx: tuple[Ix, ...], domain: Sequence[int], shape: Sequence[int]) -> Ix | None:

@@ -70,12 +70,25 @@ def finalize(k: Kernel) -> Kernel:
     def fix(ix: Ix) -> Ix:
         return rewrite_ix(ix, rename)
 
-    k2 = map_indices(k, fix)
-    sched = k.schedule
-    if k.inner:
-        outer_n = k2.outer_size if new_outer else 1
-        sched = "split" if outer_n < SPLIT_MAX_OUTER and k.inner_size >= SPLIT_MIN_INNER else "rows"
-    return replace(k2, outer=tuple(new_outer), inner=tuple(new_inner), schedule=sched)
+    k2 = replace(map_indices(k, fix), outer=tuple(new_outer), inner=tuple(new_inner))
+    return replace(k2, schedule=_choose(k2))
+
+
+def _choose(k: Kernel) -> str:
+    """rows: each thread reduces whole rows, lanes along the reduced dimension.
+    columns: the dimension memory walks contiguously is a kept one (a reduction over
+    leading dims, channels-last statistics): lanes are neighbouring outputs.
+    split: few long rows: every thread takes a slice of each row."""
+    if not k.inner:
+        return "pointwise"
+    primary = _largest_load(k)
+    if primary is not None and k.outer:
+        unit = [v for v in (*k.outer, *k.inner) if abs(primary.coef(v)) == 1]
+        if unit and unit[0] == k.outer[-1] and primary.is_affine():
+            return "columns"
+    if k.outer_size < SPLIT_MAX_OUTER and k.inner_size >= SPLIT_MIN_INNER:
+        return "split"
+    return "rows"
 
 
 def _largest_load(k: Kernel) -> Ix | None:

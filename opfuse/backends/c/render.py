@@ -37,6 +37,7 @@ _INT_LIMITS = {
     torch.bool: ("0", "1"),
 }
 LANES = 16  # accumulator lanes per reduction: one 512-bit register of float32
+COLUMN_LANES = 64  # outputs per block in the columns schedule: 4 cache lines of float32
 PARALLEL_MIN = 1 << 15  # fewer elements than this run on one thread
 
 
@@ -173,6 +174,8 @@ def render_kernel(name: str, k: Kernel) -> str:
         _pointwise(k, lines)
     elif k.schedule == "rows":
         _rows(k, lines)
+    elif k.schedule == "columns":
+        _columns(k, lines)
     else:
         _split(k, lines)
     lines.append("  return err;")
@@ -268,13 +271,15 @@ def _suffix(a: Accumulate, part: str) -> str:
     return "" if part == "value" else part
 
 
-def _declare_lanes(accs: Sequence[Accumulate], lines: list[str], indent: str) -> None:
+def _declare_lanes(
+    accs: Sequence[Accumulate], lines: list[str], indent: str, lanes: int = LANES
+) -> None:
     for a in accs:
         fields = _lane_fields(a)
         for suffix, t, _ in fields:
-            lines.append(f"{indent}{t} {a.name}_L{suffix}[{LANES}];")
+            lines.append(f"{indent}{t} {a.name}_L{suffix}[{lanes}];")
         body = " ".join(f"{a.name}_L{s}[l] = {v};" for s, _, v in fields)
-        lines.append(f"{indent}for (int l = 0; l < {LANES}; l++) {{ {body} }}")
+        lines.append(f"{indent}for (int l = 0; l < {lanes}; l++) {{ {body} }}")
         if a.combine == "welford":
             t = CTYPE[a.acc_dtype]
             lines.append(f"{indent}{t} {a.name}_n = 0;  /* elements in each lane so far */")
@@ -531,3 +536,75 @@ def _reset_value(a: Accumulate, part: str) -> str:
     if part == "index":
         return "INT64_MAX"
     return _lane_fields(a)[0][2]
+
+
+def _columns(k: Kernel, lines: list[str]) -> None:
+    """Lanes are neighbouring outputs: the kept dimension memory walks contiguously (the
+    last outer variable) is cut into blocks of COLUMN_LANES; every lane reduces its own column."""
+    *rest, vec = k.outer
+    blocks = (vec.extent + COLUMN_LANES - 1) // COLUMN_LANES
+    total = k.outer_size * k.inner_size
+    lines.append(
+        f"  #pragma omp parallel for collapse({len(rest) + 1}) num_threads(nthreads) "
+        f"schedule(static) if({total} >= {PARALLEL_MIN})"
+    )
+    indent = "  "
+    for v in rest:
+        lines.append(_loop(v, indent))
+        indent += "  "
+    blk = f"{vec.name}_blk"
+    lines.append(f"{indent}for (int64_t {blk} = 0; {blk} < {blocks}; {blk}++) {{")
+    indent += "  "
+    left = f"{vec.extent} - {blk} * {COLUMN_LANES}"
+    lines.append(f"{indent}const int64_t nl = {left} < {COLUMN_LANES} ? {left} : {COLUMN_LANES};")
+    lane = f"const int64_t {vec.name} = {vec.name}_blk * {COLUMN_LANES} + l;"
+    em = Emitter([{}], [0])
+    for p in k.passes:
+        _declare_lanes(p.accumulates, lines, indent, COLUMN_LANES)
+        ind = indent
+        for v in k.inner:
+            lines.append(_loop(v, ind))
+            ind += "  "
+        for a in p.accumulates:
+            if a.combine == "welford":
+                t = CTYPE[a.acc_dtype]
+                lines.append(f"{ind}{a.name}_n += 1; const {t} {a.name}_inv = 1 / {a.name}_n;")
+        lines.append(f"{ind}#pragma omp simd")
+        lines.append(f"{ind}for (int l = 0; l < nl; l++) {{")
+        lines.append(f"{ind}  {lane}")
+        em.scopes.append({})
+        _accumulate(em, p, lines, ind + "  ", "l", tail=False)
+        em.scopes.pop()
+        lines.append(f"{ind}}}")
+        for _ in k.inner:
+            ind = ind[:-2]
+            lines.append(f"{ind}}}")
+        for a in p.accumulates:
+            for part, suffix in _lane_parts(a):
+                dtype = torch.int64 if part == "index" else a.acc_dtype
+                if a.combine in ("argmax", "argmin") and part == "value":
+                    dtype = a.value.dtype
+                em.scopes[0][Expr("acc", (), dtype, (a.name, part))] = f"{a.name}_L{suffix}[l]"
+        if p.after:
+            lines.append(f"{indent}#pragma omp simd")
+            lines.append(f"{indent}for (int l = 0; l < nl; l++) {{")
+            lines.append(f"{indent}  {lane}")
+            em.scopes.append({})
+            _stores(em, p.after, lines, indent + "  ")
+            em.scopes.pop()
+            lines.append(f"{indent}}}")
+    lines.append(f"{indent[:-2]}}}")
+    indent = indent[:-2]
+    for _ in rest:
+        indent = indent[:-2]
+        lines.append(f"{indent}}}")
+
+
+def _lane_parts(a: Accumulate) -> list[tuple[str, str]]:
+    """(result part, lane array suffix): in the columns schedule each lane's array slot is
+    already that column's result."""
+    if a.combine in ("argmax", "argmin"):
+        return [("value", "v"), ("index", "i")]
+    if a.combine == "welford":
+        return [("mean", "mean"), ("m2", "m2")]
+    return [("value", "")]
