@@ -95,16 +95,26 @@ def opfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kw
 
 
 def collect_reports(
-    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    backward: bool = False,
 ) -> FusionReport:
-    """Run `model` once under torch.compile(backend=opfuse) and merge the reports of every
+    """Run `model` once under torch.compile(backend=opfuse) (and, with `backward`, the
+    backward of the sum of its outputs that require grad) and merge the reports of every
     graph compiled meanwhile."""
     sinks: list[FusionReport] = []
     _listeners.sinks = [*getattr(_listeners, "sinks", []), sinks]
     try:
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=opfuse_backend)
-        compiled(*args, **kwargs)
+        out = compiled(*args, **kwargs)
+        if backward:
+            from .structure import flatten
+
+            leaves = [t for t in flatten(out)[0] if t.requires_grad]
+            if leaves:
+                torch.autograd.backward([t.sum() for t in leaves])
     finally:
         _listeners.sinks = [s for s in _listeners.sinks if s is not sinks]
     report = FusionReport()

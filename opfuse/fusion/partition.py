@@ -28,9 +28,9 @@ import logging
 import math
 from collections.abc import Iterable
 
-from ..ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta
+from ..ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta, bind
 from ..ir.ops import Kind, info, is_generator
-from ..lower.lowering import NotFusable, lower_group
+from ..lower.lowering import NotFusable, lower_group, reduce_dims
 from .classify import Classified
 from .groups import Group, Partition, Rejection
 
@@ -114,6 +114,7 @@ class _Partitioner:
             if self.fusable(n):
                 self._fuse_producers(n)
         self._fuse_siblings()
+        self._record_boundaries()
         return self._result()
 
     def _fuse_producers(self, n: Node) -> None:
@@ -173,31 +174,66 @@ class _Partitioner:
         return False
 
     def _fuse_siblings(self) -> None:
-        """Pointwise groups over the same domain that read the same tensor become one
-        kernel: the tensor is read once."""
+        """Groups over the same domain (pointwise: same shape; reductions: same input shape
+        and reduced dims) that read the same tensor become one kernel: it is read once."""
         readers: dict[Node, list[int]] = {}
         for gid, nodes in self.members.items():
-            if not all(self.kinds.get(n, Kind.OPAQUE) <= Kind.BROADCAST for n in nodes):
+            key = self._domain_key(nodes)
+            if key is None:
                 continue
-            domain = math.prod(_domain(nodes))
+            numel = math.prod(key[0])
             for r in self._external_roots(nodes):
                 # A tensor every element reads (a broadcast scalar) is no reason to merge.
-                if r.tensor.numel >= domain:
+                if r.tensor.numel >= numel:
                     readers.setdefault(r, []).append(gid)
-        for r, gids in readers.items():
+        for gids in readers.values():
             live = [g for g in dict.fromkeys(gids) if g in self.members]
             while len(live) > 1:
                 a = live[0]
                 for b in live[1:]:
                     if b not in self.members or a not in self.members:
                         continue
-                    if _domain(self.members[a]) != _domain(self.members[b]):
+                    if self._domain_key(self.members[a]) != self._domain_key(self.members[b]):
                         continue
-                    reason = self._try_merge(a, b)
-                    if reason is None:
-                        self.fusions.append((self.members[a][0].name, r.name))
+                    names = (self.members[a][0].name, self.members[b][0].name)
+                    if self._try_merge(a, b) is None:
+                        self.fusions.append(names)
                 live = [g for g in live[1:] if g in self.members]
-            del r
+
+    def _domain_key(self, nodes: list[Node]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+        kinds = [self.kinds.get(n, Kind.OPAQUE) for n in nodes]
+        if all(k <= Kind.BROADCAST for k in kinds):
+            return _domain(nodes), ()
+        if all(k <= Kind.BROADCAST or k == Kind.REDUCTION for k in kinds):
+            r = next(n for n, k in zip(nodes, kinds) if k == Kind.REDUCTION)
+            return bind(r)["self"].tensor.shape, reduce_dims(r)[0]
+        return None
+
+    def _record_boundaries(self) -> None:
+        """Say why a fused value leaves its kernel for a library call or a torch op."""
+        seen: set[tuple[Node, Node]] = set()
+        for n in self.g.nodes:
+            k = self.kinds.get(n)
+            if k is None or self.fusable(n) or k == Kind.INJECTIVE:
+                continue
+            for i in n.inputs():
+                p = self.root(i)
+                if not self.fusable(p) or (p, n) in seen:
+                    continue
+                seen.add((p, n))
+                what = "reduced value" if self._in_reduction_group(p) else "value"
+                if k == Kind.ANCHOR:
+                    lib = "a convolution" if "convolution" in n.op else "a matmul"
+                    self._reject(p, n, f"{what} feeds {lib} (a library call)")
+                else:
+                    why = self.why_opaque.get(n, "no fused implementation")
+                    self._reject(p, n, f"{what} feeds {n.op}: {why}")
+
+    def _in_reduction_group(self, n: Node) -> bool:
+        gid = self.group_of.get(n)
+        return gid is not None and any(
+            self.kinds.get(m) == Kind.REDUCTION for m in self.members[gid]
+        )
 
     def _external_roots(self, nodes: Iterable[Node]) -> set[Node]:
         inside = set(nodes)

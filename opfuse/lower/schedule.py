@@ -66,6 +66,8 @@ def finalize(k: Kernel) -> Kernel:
     rename: dict[Var, tuple[Var, int]] = {}  # old var -> (new var, coefficient scale)
     new_outer = _name_groups(outer_groups, "x", rename)
     new_inner = _name_groups(inner_groups, "r", rename)
+    if not new_inner and any(p.accumulates for p in k.passes):
+        new_inner = [Var("r0", 1)]  # reducing only size-1 dims: one element per row
 
     def fix(ix: Ix) -> Ix:
         return rewrite_ix(ix, rename)

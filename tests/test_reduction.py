@@ -1,0 +1,267 @@
+"""Reduction fusion: the prologue and epilogue of a reduction run inside it, one kernel per
+case, on rows, columns, middle and several dims, full reductions, every schedule."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import opfuse
+from opfuse.dynamo import collect_reports
+from tests.conftest import Fn, assert_matches_eager, assert_no_worse
+
+
+def one_kernel(fn: Any, *args: Any) -> opfuse.FusionReport:
+    m = fn.eval() if isinstance(fn, nn.Module) else Fn(fn).eval()
+    fast = opfuse.compile(m, args)
+    assert_matches_eager(m, fast(*args), args)
+    r = fast.report
+    assert r.kernels_after == 1, str(r)
+    assert r.groups[0].pattern == "reduction", str(r)
+    return r
+
+
+def source(fn: Any, *args: Any) -> str:
+    fast = opfuse.compile(Fn(fn).eval(), args)
+    return fast._first.compiled.source  # type: ignore[no-any-return]
+
+
+X = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
+X4 = torch.randn(4, 8, 6, 10, generator=torch.Generator().manual_seed(1))
+
+CASES = {
+    "sum(relu(x))": (lambda a: a.relu().sum(), X),
+    "mean(x*x)": (lambda a: (a * a).mean(), X),
+    "x.pow(2).mean(-1)": (lambda a: a.pow(2).mean(-1), X),
+    "amax(abs(x))": (lambda a: a.abs().amax(-1), X),
+    "prod": (lambda a: (a * 0.1 + 1).prod(-1), X),
+    "argmax": (lambda a: a.argmax(-1), X),
+    "argmin columns": (lambda a: a.argmin(0), X),
+    "argmax flat": (lambda a: a.argmax(), X),
+    "norm": (lambda a: a.norm(dim=-1), X),
+    "vector_norm full": (lambda a: torch.linalg.vector_norm(a, ord=3), X),
+    "var": (lambda a: a.var(-1), X),
+    "std columns": (lambda a: a.std(0), X),
+    "var_mean dims (0, 2)": (lambda a: torch.var_mean(a, (0, 2), correction=0), X4),
+    "logsumexp": (lambda a: a.logsumexp(-1), X),
+    "logsumexp keepdim middle": (lambda a: a.logsumexp(1, keepdim=True), X4),
+    "max dim values+indices": (lambda a: a.max(-1), X),
+    "min dim keepdim": (lambda a: a.min(1, keepdim=True), X4),
+    "any": (lambda a: (a > 2).any(-1), X),
+    "all full": (lambda a: (a > -4).all(), X),
+    "int sum": (lambda a: a.sum(-1), torch.randint(-5, 5, (10, 20))),
+    "sum with dtype": (lambda a: a.sum(-1, dtype=torch.float64), X),
+    "sum middle dim": (lambda a: a.sum(1), X4),
+    "amax two dims": (lambda a: a.amax((1, 3)), X4),
+    "mean keepdim epilogue": (lambda a: a - a.mean(-1, keepdim=True), X),
+    "mean then unsqueeze epilogue": (lambda a: a - a.mean(-1).unsqueeze(-1), X),
+    "columns epilogue": (lambda a: a / a.sum(0), X),
+    "layer_norm": (nn.LayerNorm(96), X),
+    "softmax": (lambda a: a.softmax(-1), X),
+    "softmax columns": (lambda a: a.softmax(0), X),
+    "log_softmax": (lambda a: a.log_softmax(-1), X),
+    "group_norm": (nn.GroupNorm(4, 8), X4),
+    "group_norm no affine": (nn.GroupNorm(2, 8, affine=False), X4),
+    "batch_norm train stats": (lambda a: torch.var_mean(a, (0, 2, 3), correction=0), X4),
+    "instance_norm": (lambda a: F.instance_norm(a), X4),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_reduction_is_one_kernel(name: str) -> None:
+    fn, *args = CASES[name]
+    one_kernel(fn, *args)
+
+
+def test_layer_norm_with_residual_and_residual_output() -> None:
+    def pre_norm(x, r, w, b):  # type: ignore[no-untyped-def]
+        h = x + r  # pre-norm blocks keep the residual stream
+        return F.layer_norm(h, (96,), w, b), h
+
+    rep = one_kernel(pre_norm, X, X.flip(0), torch.randn(96), torch.randn(96))
+    assert rep.groups[0].ops[0] == "aten.add.Tensor"
+    assert "aten.var_mean.correction" in rep.groups[0].ops
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_rms_norm_with_upcast(dtype: torch.dtype) -> None:
+    def rms(x, w):  # type: ignore[no-untyped-def]
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * w
+
+    one_kernel(rms, X.to(dtype), torch.randn(96).to(dtype))
+
+
+def test_attention_softmax_with_scale_mask_and_bias() -> None:
+    s = torch.randn(2, 3, 16, 16)
+    mask = torch.rand(16, 16) > 0.7
+    bias = torch.randn(3, 16, 16)
+    one_kernel(lambda a, m, b: ((a * 0.125 + b).masked_fill(m, float("-inf"))).softmax(-1), s, mask, bias)
+    one_kernel(lambda a, b: (a / 8 + b).log_softmax(-1), s, bias)
+
+
+def test_batch_norm_training_in_one_pass() -> None:
+    def bn_train(x, w, b):  # type: ignore[no-untyped-def]
+        return F.batch_norm(x, None, None, w, b, training=True)
+
+    rep = one_kernel(bn_train, X4, torch.randn(8), torch.randn(8))
+    assert rep.groups[0].ops.count("aten.var_mean.correction") == 1
+
+
+def test_variance_is_stable_for_large_means() -> None:
+    x = torch.randn(128, 4096, dtype=torch.float64).mul(1.0).add(1e4).float()
+    m = Fn(lambda a: (a.var(-1), F.layer_norm(a, (4096,)))).eval()
+    fast = opfuse.compile(m, (x,))
+    var, ln = fast(x)
+    x64 = x.double()
+    torch.testing.assert_close(var.double(), x64.var(-1), rtol=1e-4, atol=0)
+    ref = F.layer_norm(x64, (4096,))
+    assert (ln.double() - ref).abs().max() < 1e-3  # E[x^2]-E[x]^2 would lose everything here
+    assert_matches_eager(m, (var, ln), (x,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_sums_accumulate_in_float(dtype: torch.dtype) -> None:
+    x = (torch.rand(8, 8192) + 1).to(dtype)
+    m = Fn(lambda a: a.sum(-1)).eval()
+    out = opfuse.compile(m, (x,))(x)
+    exact = x.double().sum(-1)
+    assert ((out.double() - exact).abs() / exact).max() < 1e-2
+
+
+@pytest.mark.parametrize(
+    "fn,shape,schedule",
+    [
+        (lambda a: a.relu().sum(), (1 << 23,), "split"),
+        (lambda a: a.softmax(-1), (2, 1 << 20), "split"),
+        (lambda a: torch.var_mean(a, -1), (3, 1 << 19), "split"),
+        (lambda a: a.argmax(), (1 << 21,), "split"),
+        (lambda a: a.sum(0), (4096, 64), "columns"),
+        (lambda a: a.softmax(-1), (512, 512), "rows"),
+    ],
+)
+def test_schedules(fn, shape, schedule) -> None:  # type: ignore[no-untyped-def]
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(2))
+    src = source(fn, x)
+    assert f"schedule {schedule}" in src
+    m = Fn(fn).eval()
+    assert_matches_eager(m, opfuse.compile(m, (x,))(x), (x,))
+
+
+def test_channels_last_statistics_use_columns() -> None:
+    x = X4.to(memory_format=torch.channels_last)
+    fn = lambda a: torch.var_mean(a, (0, 2, 3), correction=0)  # noqa: E731
+    assert "schedule columns" in source(fn, x)
+    one_kernel(fn, x)
+
+
+def test_nan_and_inf_semantics() -> None:
+    x = torch.tensor([[1.0, float("nan"), 3.0, float("nan")], [2.0, 2.0, 1.0, 2.0],
+                      [float("-inf")] * 4, [0.0, -0.0, 0.0, 1.0]])
+    for fn in (lambda a: a.amax(-1), lambda a: a.argmax(-1), lambda a: a.max(-1),
+               lambda a: a.argmin(-1), lambda a: a.sum(-1), lambda a: a.softmax(-1)):
+        m = Fn(fn).eval()
+        assert_matches_eager(m, opfuse.compile(m, (x,))(x), (x,))
+
+
+def test_reduced_value_feeding_a_matmul_is_explained() -> None:
+    m = Fn(lambda x, w: x.softmax(-1) @ w).eval()
+    r = opfuse.explain(m, (X, torch.randn(96, 5)))
+    assert any("reduced value feeds a matmul" in x.reason for x in r.rejected)
+
+
+def test_different_reduction_axes_do_not_fuse_and_say_why() -> None:
+    m = Fn(lambda x: x - x.mean(0) - x.mean(1, keepdim=True)).eval()
+    fast = opfuse.compile(m, (X,))
+    assert_matches_eager(m, fast(X), (X,))
+    assert any("reduces dims" in x.reason for x in fast.report.rejected)
+
+
+# -- backward graphs ---------------------------------------------------------------------------
+@pytest.mark.parametrize("module", ["layer_norm", "softmax", "log_softmax", "rms_norm"])
+def test_backward_graphs_fuse_and_match_eager(module: str) -> None:
+    torch.manual_seed(0)
+    mods = {
+        "layer_norm": nn.LayerNorm(96),
+        "softmax": nn.Softmax(-1),
+        "log_softmax": nn.LogSoftmax(-1),
+        "rms_norm": nn.RMSNorm(96),
+    }
+    m = nn.Sequential(nn.Linear(96, 96), mods[module])
+    m64 = copy.deepcopy(m).double()
+    grads = []
+    for model, compiled, dtype in ((m, False, torch.float32), (m64, False, torch.float64),
+                                   (copy.deepcopy(m), True, torch.float32)):
+        x = X.to(dtype).clone().requires_grad_()
+        out = (torch.compile(model, backend="opfuse") if compiled else model)(x)
+        (out * out).sum().backward()
+        grads.append([out.detach(), x.grad] + [p.grad for p in model.parameters()])
+    eager, ref64, ours = grads
+    for o, e, r in zip(ours, eager, ref64):
+        assert_no_worse(o, e, r, "backward", factor=2.0)
+    rep = collect_reports(m, (X.clone().requires_grad_(),), {}, backward=True)
+    # every row reduction of the backward (the sums over the normalised dim) is fused with
+    # its pointwise neighbours: no pointwise op is left alone between two reductions
+    assert rep.patterns().get("reduction", 0) >= 2
+    assert rep.patterns().get("elementwise", 0) <= 1
+
+
+# -- property test ------------------------------------------------------------------------------
+REDUCE = {
+    "sum": lambda t, d, k: t.sum(d, keepdim=k),
+    "mean": lambda t, d, k: t.mean(d, keepdim=k),
+    "amax": lambda t, d, k: t.amax(d, keepdim=k),
+    "amin": lambda t, d, k: t.amin(d, keepdim=k),
+    "var": lambda t, d, k: t.var(d, keepdim=k),
+    "logsumexp": lambda t, d, k: t.logsumexp(d, keepdim=k),
+}
+PRO = [torch.relu, torch.tanh, lambda t: t * 1.5 + 0.25, torch.sigmoid, torch.abs,
+       lambda t: t * t, F.gelu]
+EPI = [torch.exp, lambda t: t * 0.5, torch.sqrt, lambda t: t + 1.0, torch.neg]
+
+
+@st.composite
+def reduction_cases(draw: Any) -> tuple[Any, torch.Tensor]:
+    rank = draw(st.integers(1, 4))
+    shape = tuple(draw(st.lists(st.integers(1, 9), min_size=rank, max_size=rank)))
+    dims = sorted(draw(st.sets(st.integers(0, rank - 1), min_size=1, max_size=rank)))
+    keep = draw(st.booleans())
+    red = draw(st.sampled_from(sorted(REDUCE)))
+    pro = draw(st.lists(st.integers(0, len(PRO) - 1), max_size=3))
+    epi = draw(st.lists(st.integers(0, len(EPI) - 1), max_size=2))
+    back = draw(st.booleans())  # epilogue combining the reduced value with the input
+    dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16]))
+    layout = draw(st.sampled_from(["contiguous", "transposed"]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 9999)))
+    x = torch.randn(shape, generator=g).to(dtype)
+    if layout == "transposed" and rank >= 2:
+        x = x.transpose(0, -1).contiguous().transpose(0, -1)
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        for i in pro:
+            t = PRO[i](t)
+        r = REDUCE[red](t, dims, keep)
+        for i in epi:
+            r = EPI[i](r.abs() if EPI[i] is torch.sqrt else r)
+        if back and keep:
+            return t - r  # broadcast back over the input: a full-size epilogue
+        return r
+
+    return fn, x
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reduction_cases())
+def test_random_prologue_reduction_epilogue(case: Any) -> None:
+    fn, x = case
+    m = Fn(fn).eval()
+    fast = opfuse.compile(m, (x,))
+    assert fast.report.kernels_after == 1, str(fast.report)
+    assert_matches_eager(m, fast(x), (x,))
