@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
-from .fusion.groups import Partition
+from .fusion.groups import Group, Partition
 from .ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta
 from .ir.ops import Kind, info
+from .lower.epilogue import GemmKernel
+from .lower.groups import Lowered
 from .lower.kernel import Kernel
-from .plan import BuiltKernel
+from .plan import Built, BuiltCall, BuiltGemm, BuiltKernel
 from .report import FusionReport, GroupReport, RejectReport
 
 
@@ -26,43 +29,38 @@ def is_compute(n: Node) -> bool:
 def make_report(
     graph: Graph,
     part: Partition,
-    kernels: Mapping[int, Kernel],
-    built: Mapping[int, BuiltKernel],
+    lowered: Lowered,
+    built: Mapping[int, Built],
+    decisions: Mapping[int, Any],
     eager_kernels: int | None,
     source: str,
 ) -> FusionReport:
-    users = graph.users
     groups: list[GroupReport] = []
     bytes_before = bytes_after = 0
+    launches = 0
     for g in part.groups:
-        k = kernels.get(g.id)
-        is_built = g.id in built
-        pattern = g.pattern
-        reason = g.reason
-        if k is not None and not is_built:
-            pattern, reason = "fallback", reason or "kernel build failed; ran with torch"
-        name = f"{k.name}_{g.id}" if (k is not None and is_built) else _op_label(g.nodes)
-        members = set(g.nodes)
-        saved = (
-            [
-                n
-                for n in g.nodes
-                if isinstance(n.meta, TensorMeta)
-                and n not in graph.output_set
-                and all(u in members or _view_inside(u, members, users) for u in users[n])
-            ]
-            if is_built
-            else []
-        )
-        saved_bytes = sum(2 * n.tensor.nbytes for n in saved)
+        b = built.get(g.id)
+        pattern, reason = g.pattern, g.reason
+        if b is None and pattern in ("elementwise", "reduction", "gemm_epilogue", "conv_epilogue"):
+            pattern = "fallback"
+            reason = reason or "kernel build failed; ran with torch"
+        kernel, fused = _implementation(g, b)
+        launches += _launches(g, b)
+        saved = _kept_out_of_memory(graph, g) if fused else []
         modules = list(
             dict.fromkeys(n.source.module for n in g.nodes if n.source and n.source.module)
         )
+        d = decisions.get(g.id)
+        implementation = d.describe() if d is not None else _default_impl(g, b)
+        notes = lowered.notes.get(g.id, [])
+        if notes and g.pattern in ("gemm_epilogue", "conv_epilogue"):
+            implementation += " [not candidates: " + "; ".join(notes) + "]"
+        k = _kernel_of(b)
         groups.append(
             GroupReport(
                 id=g.id,
                 pattern=pattern,
-                kernel=name,
+                kernel=kernel,
                 ops=[n.op for n in g.nodes],
                 nodes=[n.name for n in g.nodes],
                 modules=modules,
@@ -71,38 +69,85 @@ def make_report(
                 bytes_read=k.bytes_read if k is not None else 0,
                 bytes_written=k.bytes_written if k is not None else 0,
                 intermediates_saved=[n.name for n in saved],
-                bytes_saved=saved_bytes,
-                source_code=_extract(source, name) if is_built else "",
+                bytes_saved=sum(2 * n.tensor.nbytes for n in saved),
+                implementation=implementation,
+                source_code=_extract(source, kernel) if k is not None else "",
             )
         )
         for n in g.nodes:
             if isinstance(n.meta, TensorMeta) and is_compute(n):
                 # eager writes every compute op's result and reads it back at least once
                 bytes_before += 2 * n.meta.nbytes
-        bytes_after += sum(
-            2 * n.tensor.nbytes
-            for n in g.nodes
-            if isinstance(n.meta, TensorMeta) and n not in saved and is_compute(n)
-        )
-    rejected = [RejectReport(r.producer, r.consumer, r.reason) for r in part.rejected]
+                if n not in saved:
+                    bytes_after += 2 * n.meta.nbytes
     return FusionReport(
         kernels_before=eager_kernels if eager_kernels is not None else count_kernels(graph),
-        kernels_after=len(part.groups),
+        kernels_after=launches,
         groups=groups,
-        rejected=rejected,
+        rejected=[RejectReport(r.producer, r.consumer, r.reason) for r in part.rejected],
         bytes_before=bytes_before,
         bytes_after=bytes_after,
     )
+
+
+def _kernel_of(b: Built | None) -> Kernel | None:
+    if isinstance(b, BuiltKernel):
+        return b.kernel
+    if isinstance(b, BuiltGemm):
+        return b.kernel.epilogue
+    return None
+
+
+def _implementation(g: Group, b: Built | None) -> tuple[str, bool]:
+    """(what runs, whether the group's intermediates stay out of memory)."""
+    if isinstance(b, BuiltGemm):
+        return f"{b.kernel.name}_blocked_{g.id}", True
+    if isinstance(b, BuiltCall):
+        label = ", ".join(dict.fromkeys(n.op.split(".")[1] for n in g.nodes))
+        return f"onednn({label})", True
+    if isinstance(b, BuiltKernel):
+        name = f"{b.kernel.name}_{g.id}"
+        if g.pattern in ("gemm_epilogue", "conv_epilogue"):
+            name = f"{b.kernel.name}_unfused_{g.id}"
+            return name, False
+        return name, True
+    return ", ".join(dict.fromkeys(n.op for n in g.nodes)), False
+
+
+def _launches(g: Group, b: Built | None) -> int:
+    if isinstance(b, (BuiltGemm, BuiltCall)):
+        return 1
+    if isinstance(b, BuiltKernel):
+        return 2 if g.pattern in ("gemm_epilogue", "conv_epilogue") else 1
+    return sum(1 for n in g.nodes if is_compute(n))
+
+
+def _default_impl(g: Group, b: Built | None) -> str:
+    if isinstance(b, BuiltCall):
+        return "onednn (the only candidate)"
+    if isinstance(b, BuiltGemm):
+        return "blocked (the only candidate)"
+    if isinstance(b, BuiltKernel) and g.pattern in ("gemm_epilogue", "conv_epilogue"):
+        return "unfused: library call, then the epilogue kernel (the only candidate)"
+    return ""
+
+
+def _kept_out_of_memory(graph: Graph, g: Group) -> list[Node]:
+    members = set(g.nodes)
+    users = graph.users
+    return [
+        n
+        for n in g.nodes
+        if isinstance(n.meta, TensorMeta)
+        and n not in graph.output_set
+        and all(u in members or _view_inside(u, members, users) for u in users[n])
+    ]
 
 
 def _view_inside(u: Node, members: set[Node], users: Mapping[Node, list[Node]]) -> bool:
     if u.op in (INPUT, CONSTANT) or info(u.op).kind != Kind.INJECTIVE:
         return False
     return all(x in members or _view_inside(x, members, users) for x in users[u])
-
-
-def _op_label(nodes: list[Node]) -> str:
-    return ", ".join(dict.fromkeys(n.op for n in nodes))
 
 
 def _extract(source: str, name: str) -> str:
@@ -113,3 +158,6 @@ def _extract(source: str, name: str) -> str:
     head = source.rfind("/*", 0, start)
     end = source.find("\n}\n", start)
     return source[head if head >= 0 else start : end + 3 if end >= 0 else len(source)]
+
+
+__all__ = ["GemmKernel", "count_kernels", "is_compute", "make_report"]

@@ -21,13 +21,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .autotune import Decision, choose
+from .backends.c.module import Module, build_module
+from .explain import make_report
 from .fusion.classify import classify
 from .fusion.groups import Partition, check_partition
 from .fusion.partition import Fuel, partition
 from .ir.graph import Graph
-from .lower.kernel import Kernel
-from .lower.lowering import NotFusable, lower_group
-from .plan import BuiltKernel, build_plan
+from .lower.groups import lower_groups
+from .plan import Built, build_plan
 from .report import FoldReport, FusionReport, RejectReport
 from .rewrite.batchnorm import Fold, Refusal, fold_batchnorm, lower_batchnorm
 from .rewrite.cleanup import fold_constants
@@ -44,6 +46,11 @@ class Options:
     debug_dir: str | None = field(default_factory=lambda: os.environ.get("OPFUSE_DEBUG_DIR"))
     fold_batchnorm: bool = True
     freeze: bool = True  # parameters are constants (eval-mode opfuse.compile)
+    # Force how epilogue groups run ("unfused", "blocked", "onednn", "onednn-nhwc") where
+    # that is possible, instead of measuring: for tests and for bisecting.
+    implementation: str | None = field(
+        default_factory=lambda: os.environ.get("OPFUSE_IMPLEMENTATION") or None
+    )
 
 
 def _env_int(name: str) -> int | None:
@@ -76,30 +83,31 @@ def warn_once(message: str) -> None:
 def compile_graph(
     graph: Graph, options: Options | None = None, eager_kernels: int | None = None
 ) -> CompiledGraph:
-    """Everything after capture: rewrite, fuse, lower, render, build, plan."""
+    """Everything after capture: rewrite, fuse, lower, render, build, tune, plan."""
     opts = options or Options()
     t0 = time.perf_counter()
     graph, folds, refusals = rewrite(graph, opts)
     kinds = classify(graph)
     part = partition(graph, kinds, Fuel(opts.fuel))
     check_partition(graph, part)
-    kernels = lower(graph, part)
-    source, built, cached, problem = build_kernels(kernels)
+    lowered = lower_groups(graph, part)
+    module = build_module(graph, lowered)
+    if module.problem:
+        warn_once(module.problem.splitlines()[0])
+    built, decisions = tune(graph, part, module, opts.implementation)
     plan = build_plan(graph, part, built)
-    from .explain import make_report
-
-    report = make_report(graph, part, kernels, built, eager_kernels, source)
+    report = make_report(graph, part, lowered, built, decisions, eager_kernels, module.source)
     report.folds = [FoldReport(f.conv, f.batchnorm) for f in folds]
     report.rejected = [RejectReport(r.producer, r.batchnorm, r.reason) for r in refusals] + (
         report.rejected
     )
     report.compile_seconds = time.perf_counter() - t0
-    report.cached = cached
-    if problem:
-        report.warnings.append(problem)
+    report.cached = module.cached
+    if module.problem:
+        report.warnings.append(module.problem)
     if opts.debug_dir:
-        dump(opts.debug_dir, source, report)
-    return CompiledGraph(graph, Runtime(plan), report, source)
+        dump(opts.debug_dir, module.source, report)
+    return CompiledGraph(graph, Runtime(plan), report, module.source)
 
 
 def rewrite(graph: Graph, opts: Options) -> tuple[Graph, list[Fold], list[Refusal]]:
@@ -112,35 +120,35 @@ def rewrite(graph: Graph, opts: Options) -> tuple[Graph, list[Fold], list[Refusa
     return fold_constants(graph), folds, refusals
 
 
-def lower(graph: Graph, part: Partition) -> dict[int, Kernel]:
-    kernels: dict[int, Kernel] = {}
+def tune(
+    graph: Graph, part: Partition, module: Module, force: str | None = None
+) -> tuple[dict[int, Built], dict[int, Decision]]:
+    """Pick how each group runs: its only implementation, or the fastest measured one."""
+    built: dict[int, Built] = {}
+    decisions: dict[int, Decision] = {}
     for g in part.groups:
-        if g.pattern in ("elementwise", "reduction"):
-            try:
-                kernels[g.id] = lower_group(graph, g.nodes)
-            except NotFusable as e:  # the partitioner checked this; keep going regardless
-                g.pattern, g.reason = "fallback", f"could not be lowered: {e}"
-    return kernels
+        cands = module.candidates.get(g.id, {})
+        if not cands:
+            continue
+        if len(cands) == 1:
+            only = next(iter(cands.values()))
+            if only is not None:
+                built[g.id] = only
+            continue
+        identity = [module.source, g.pattern, *(n.name for n in g.nodes)]
+        if force in cands:
+            d = Decision(force, {}, cached=False)
+        else:
+            d = choose(graph, g, cands, identity, _sub_runtime)
+        decisions[g.id] = d
+        chosen = cands.get(d.choice)
+        if chosen is not None:
+            built[g.id] = chosen
+    return built, decisions
 
 
-def build_kernels(kernels: dict[int, Kernel]) -> tuple[str, dict[int, BuiltKernel], bool, str]:
-    """Render all kernels into one translation unit and compile it. If that fails, warn
-    once and return no kernels: their groups then run with torch."""
-    if not kernels:
-        return "", {}, True, ""
-    from .backends.c.build import BuildError, build
-    from .backends.c.render import render_module
-
-    names = {gid: f"{k.name}_{gid}" for gid, k in kernels.items()}
-    source = render_module([(names[gid], k) for gid, k in kernels.items()])
-    try:
-        lib = build(source)
-    except BuildError as e:
-        msg = f"opfuse: kernels could not be built, running those ops with torch ({e})"
-        warn_once(msg.splitlines()[0])
-        return source, {}, False, msg
-    built = {gid: BuiltKernel(k, lib.fn(names[gid])) for gid, k in kernels.items()}
-    return source, built, lib.cached, ""
+def _sub_runtime(graph: Graph, part: Partition, built: Any) -> Runtime:
+    return Runtime(build_plan(graph, part, built))
 
 
 def dump(directory: str, source: str, report: FusionReport) -> None:

@@ -1,5 +1,5 @@
 """Fusion groups + built kernels -> the runtime Plan: steps in order, value slots, and the
-memory pool for intermediates (see runtime.py for how it runs)."""
+memory pool for intermediates and scratch (see runtime.py for how it runs)."""
 
 from __future__ import annotations
 
@@ -10,14 +10,52 @@ from typing import Any
 
 from .fusion.groups import Partition
 from .ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta, map_args
+from .lower.epilogue import GemmKernel
 from .lower.kernel import Kernel
-from .runtime import KernelStep, Plan, Slot, TorchStep, assign_pool
+from .runtime import (
+    Const,
+    In,
+    KernelArg,
+    KernelStep,
+    Out,
+    Plan,
+    Scratch,
+    Slot,
+    TorchStep,
+    assign_pool,
+)
 
 
 @dataclass
 class BuiltKernel:
+    """A generated kernel. In an epilogue group it is the unfused epilogue: the anchor
+    runs first as a library call."""
+
     kernel: Kernel
-    fn: Any  # ctypes function
+    fn: Any
+
+
+@dataclass
+class BuiltGemm:
+    """A blocked GEMM with its epilogue; `b` is the packed weight (or None: B is read from
+    the graph), `gemm_fn` the library function's address."""
+
+    kernel: GemmKernel
+    fn: Any
+    b: Any
+    gemm_fn: int
+
+
+@dataclass
+class BuiltCall:
+    """The whole group as one library call (oneDNN post-ops): call(*inputs) -> output."""
+
+    call: Callable[..., Any]
+    inputs: list[Node]
+    output: Node
+
+
+Built = BuiltKernel | BuiltGemm | BuiltCall
 
 
 def _aliases_input(n: Node) -> bool:
@@ -30,87 +68,146 @@ def _aliases_input(n: Node) -> bool:
     return any(r.alias_info is not None for r in schema.returns)
 
 
-def build_plan(
-    graph: Graph,
-    part: Partition,
-    built: Mapping[int, BuiltKernel],
-    library_fn: Callable[[Node], Callable[..., Any] | None] | None = None,
-) -> Plan:
-    """`built` maps group id -> its compiled kernel; groups without one run with torch.
-    `library_fn(node)` may replace the torch callable of an anchor (prepacked weights)."""
-    slot = {n: i for i, n in enumerate(graph.nodes)}
-    by_name = {n.name: n for n in graph.nodes}
-    constants = {slot[n]: graph.constants[n.name] for n in graph.nodes if n.op == CONSTANT}
-    steps: list[KernelStep | TorchStep] = []
-    ready: set[Node] = {n for n in graph.nodes if n.op in (INPUT, CONSTANT)}
-    torch_made: set[Node] = set()
-    produced_at: dict[Node, int] = {}
-    readers: dict[Node, list[int]] = {}
+class _Planner:
+    def __init__(self, graph: Graph) -> None:
+        self.g = graph
+        self.slot = {n: i for i, n in enumerate(graph.nodes)}
+        self.by_name = {n.name: n for n in graph.nodes}
+        self.steps: list[KernelStep | TorchStep] = []
+        self.ready: set[Node] = {n for n in graph.nodes if n.op in (INPUT, CONSTANT)}
+        self.torch_made: set[Node] = set()
+        self.readers: dict[Node, list[int]] = {}
 
-    def torch_step(n: Node, fn: Callable[..., Any] | None = None) -> None:
+    def read(self, n: Node) -> None:
+        self.readers.setdefault(n, []).append(len(self.steps) - 1)
+
+    def torch_step(self, n: Node, fn: Callable[..., Any] | None = None) -> None:
         for i in n.inputs():
-            need(i)
+            self.need(i)
         target = fn or (operator.getitem if n.op == GETITEM else n.target)
-        steps.append(
+        s = self.slot
+        self.steps.append(
             TorchStep(
                 n.name,
                 target,
-                map_args(n.args, lambda a: Slot(slot[a])),
-                {k: map_args(v, lambda a: Slot(slot[a])) for k, v in n.kwargs},
-                slot[n],
+                map_args(n.args, lambda a: Slot(s[a])),
+                {k: map_args(v, lambda a: Slot(s[a])) for k, v in n.kwargs},
+                s[n],
             )
         )
         for i in n.inputs():
-            readers.setdefault(i, []).append(len(steps) - 1)
-        produced_at[n] = len(steps) - 1
-        ready.add(n)
-        torch_made.add(n)
+            self.read(i)
+        self.ready.add(n)
+        self.torch_made.add(n)
 
-    def need(n: Node) -> None:
-        """Make sure value n exists before the next step (views run lazily, with torch)."""
-        if n in ready:
-            return
-        torch_step(n)
-
-    pooled_outputs: list[tuple[int, int, Node]] = []  # (step, output position, value)
-    for g in part.groups:
-        bk = built.get(g.id)
-        if bk is None:
-            for n in g.nodes:
-                fn = library_fn(n) if library_fn is not None and n is g.anchor else None
-                torch_step(n, fn)
-            continue
-        k = bk.kernel
-        ins = [by_name[b.value] for b in k.inputs]
-        outs = [by_name[b.value] for b in k.outputs]
-        for i in ins:
-            need(i)
-        steps.append(
-            KernelStep(
-                k.name,
-                bk.fn,
-                [slot[i] for i in ins],
-                [i.tensor for i in ins],
-                [i in torch_made for i in ins],
-                [slot[o] for o in outs],
-                [o.tensor for o in outs],
-                [None] * len(outs),
+    def call_step(self, b: BuiltCall) -> None:
+        # Built objects name nodes; the plan may be of a subgraph (autotuning) with copies.
+        inputs = [self.by_name[i.name] for i in b.inputs]
+        output = self.by_name[b.output.name]
+        for i in inputs:
+            self.need(i)
+        self.steps.append(
+            TorchStep(
+                output.name,
+                b.call,
+                tuple(Slot(self.slot[i]) for i in inputs),
+                {},
+                self.slot[output],
             )
         )
-        si = len(steps) - 1
-        for i in ins:
-            readers.setdefault(i, []).append(si)
-        for oi, o in enumerate(outs):
-            produced_at[o] = si
-            ready.add(o)
-            pooled_outputs.append((si, oi, o))
+        for i in inputs:
+            self.read(i)
+        self.ready.add(output)
+        self.torch_made.add(output)
+
+    def need(self, n: Node) -> None:
+        """Make sure value n exists before the next step (views run lazily, with torch)."""
+        if n not in self.ready:
+            self.torch_step(n)
+
+    def kernel_step(self, name: str, fn: Any, args: list[KernelArg], reads: list[Node]) -> None:
+        self.steps.append(KernelStep(name, fn, args))
+        for i in reads:
+            self.read(i)
+
+    def kernel_args(
+        self, k: Kernel, scratch: str | None = None
+    ) -> tuple[list[KernelArg], list[Node]]:
+        args: list[KernelArg] = []
+        reads: list[Node] = []
+        for b in k.buffers:
+            node = self.by_name[b.value]
+            if b.role == "in" and b.name == scratch:
+                nbytes = _storage_bytes(node.tensor)
+                args.append(Scratch(nbytes))
+            elif b.role == "in":
+                self.need(node)
+                args.append(In(self.slot[node], node.tensor, node in self.torch_made))
+                reads.append(node)
+            else:
+                args.append(Out(self.slot[node], node.tensor))
+        return args, reads
+
+    def produced(self, args: list[KernelArg]) -> None:
+        for a in args:
+            if isinstance(a, Out):
+                self.ready.add(self.g.nodes[a.slot])
+
+
+def build_plan(graph: Graph, part: Partition, built: Mapping[int, Built]) -> Plan:
+    """`built` maps group id -> how it runs; groups without an entry run with torch."""
+    p = _Planner(graph)
+    for g in part.groups:
+        b = built.get(g.id)
+        if b is None:
+            for n in g.nodes:
+                p.torch_step(n)
+        elif isinstance(b, BuiltCall):
+            p.call_step(b)
+        elif isinstance(b, BuiltGemm):
+            k = b.kernel
+            a_node = p.by_name[k.spec.a.node.name]
+            p.need(a_node)
+            args: list[KernelArg] = [In(p.slot[a_node], a_node.tensor, a_node in p.torch_made)]
+            reads = [a_node]
+            if b.b is not None:
+                args.append(Const(b.b))
+            else:
+                bn = p.by_name[k.spec.b.node.name]
+                p.need(bn)
+                args.append(In(p.slot[bn], bn.tensor, bn in p.torch_made))
+                reads.append(bn)
+            epi_args, epi_reads = p.kernel_args(k.epilogue, scratch=k.gemm_buffer)
+            args += epi_args
+            args.append(Const(b.gemm_fn))
+            p.kernel_step(k.name, b.fn, args, reads + epi_reads)
+            p.produced(args)
+        else:
+            if g.anchor is not None and g.pattern in ("gemm_epilogue", "conv_epilogue"):
+                p.torch_step(g.anchor)  # unfused: the library call, then the epilogue kernel
+            args, reads = p.kernel_args(b.kernel)
+            p.kernel_step(b.kernel.name, b.fn, args, reads)
+            p.produced(args)
     for out in graph.outputs:
         if isinstance(out, Node):
-            need(out)
+            p.need(out)
+    sizes = _plan_memory(graph, p)
+    return Plan(
+        n_slots=len(graph.nodes),
+        input_slots=[p.slot[i] for i in graph.inputs],
+        outputs=[Slot(p.slot[o]) if isinstance(o, Node) else o for o in graph.outputs],
+        constants={p.slot[n]: graph.constants[n.name] for n in graph.nodes if n.op == CONSTANT},
+        steps=p.steps,
+        pool_sizes=sizes,
+    )
 
-    # Memory plan: an intermediate's lifetime runs to the last read of it or any alias.
+
+def _plan_memory(graph: Graph, p: _Planner) -> list[int]:
+    """Assign pool blocks to kernel intermediates and scratch. An intermediate lives until
+    the last read of it or of any alias of it; one that escapes (is, or has a view that is,
+    a graph output) gets fresh memory per call."""
     alias_of: dict[Node, Node] = {}
-    for s in steps:
+    for s in p.steps:
         if isinstance(s, TorchStep):
             n = graph.nodes[s.output]
             if _aliases_input(n) and n.inputs():
@@ -118,29 +215,28 @@ def build_plan(
                 alias_of[n] = alias_of.get(base, base)
     escapes = {alias_of.get(o, o) for o in graph.output_set}
     last_read: dict[Node, int] = {}
-    for n, rs in readers.items():
+    for n, rs in p.readers.items():
         base = alias_of.get(n, n)
         last_read[base] = max(last_read.get(base, -1), *rs)
-    candidates: list[tuple[int, int, Node]] = []
+    users: list[Out | Scratch] = []
     lifetimes: list[tuple[int, int, int]] = []
-    for si, oi, o in pooled_outputs:
-        if o in escapes or not isinstance(o.meta, TensorMeta):
+    for si, step in enumerate(p.steps):
+        if not isinstance(step, KernelStep):
             continue
-        candidates.append((si, oi, o))
-        lifetimes.append((si, last_read.get(o, si), _storage_bytes(o.tensor)))
+        for a in step.args:
+            if isinstance(a, Scratch):
+                users.append(a)
+                lifetimes.append((si, si, a.nbytes))
+            elif isinstance(a, Out):
+                node = graph.nodes[a.slot]
+                if node in escapes or not isinstance(node.meta, TensorMeta):
+                    continue
+                users.append(a)
+                lifetimes.append((si, last_read.get(node, si), _storage_bytes(a.meta)))
     blocks, sizes = assign_pool(lifetimes)
-    for (si, oi, _), b in zip(candidates, blocks):
-        step = steps[si]
-        assert isinstance(step, KernelStep)
-        step.pooled[oi] = b
-    return Plan(
-        n_slots=len(graph.nodes),
-        input_slots=[slot[i] for i in graph.inputs],
-        outputs=[Slot(slot[o]) if isinstance(o, Node) else o for o in graph.outputs],
-        constants=constants,
-        steps=steps,
-        pool_sizes=sizes,
-    )
+    for a, blk in zip(users, blocks):
+        a.block = blk
+    return sizes
 
 
 def _storage_bytes(m: TensorMeta) -> int:

@@ -1,11 +1,12 @@
 """Run a compiled graph: fused kernels, library calls and torch fallbacks, in order.
 
 Memory plan: every value lives in a slot of an environment list. Outputs of fused kernels
-that never leave the graph (intermediates) are assigned to pooled buffers by a greedy
-best-fit over their lifetimes; the pool is allocated on a thread's first call and reused on
-every later call, so a warm call allocates nothing but the caller's fresh outputs. Values
-that escape (graph outputs, or anything a view of which is an output, or that a torch op
-might alias) are allocated fresh on every call.
+that never leave the graph (intermediates) and kernel scratch space are assigned to pooled
+blocks by a greedy best-fit over their lifetimes; the pool is allocated on a thread's first
+call and reused on every later call, so a warm call allocates nothing but the caller's fresh
+outputs. Values that escape (graph outputs, anything a view of which is an output, anything
+a torch op may alias) are allocated fresh on every call -- and recycled when the caller has
+dropped every reference to the previous call's output.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,19 +23,48 @@ import torch
 from .ir.graph import TensorMeta
 
 
+# -- kernel arguments, in the kernel's argument order ---------------------------------------------
+@dataclass
+class In:
+    slot: int
+    meta: TensorMeta
+    check: bool = False  # produced by torch: confirm the layout at run time
+
+
+@dataclass
+class Out:
+    slot: int
+    meta: TensorMeta
+    block: int | None = None  # pooled block, or None: a fresh tensor per call
+
+
+@dataclass
+class Const:
+    value: Any  # a tensor (packed weights) or an int (a library function's address)
+
+
+@dataclass
+class Scratch:
+    nbytes: int
+    block: int | None = None
+
+
+KernelArg = In | Out | Const | Scratch
+
+
 @dataclass
 class KernelStep:
     name: str
     fn: Any  # ctypes function: int fn(void **args, int nthreads)
-    inputs: list[int]  # env slots, in kernel buffer order
-    input_meta: list[TensorMeta]
-    check_inputs: list[bool]  # produced by torch: layout must be confirmed at run time
-    outputs: list[int]
-    output_meta: list[TensorMeta]
-    pooled: list[int | None]  # per output: pool block index, None if allocated fresh
+    args: list[KernelArg]
 
-    def describe(self) -> str:
-        return self.name
+    @property
+    def inputs(self) -> list[In]:
+        return [a for a in self.args if isinstance(a, In)]
+
+    @property
+    def outputs(self) -> list[Out]:
+        return [a for a in self.args if isinstance(a, Out)]
 
 
 @dataclass
@@ -44,9 +74,6 @@ class TorchStep:
     args: tuple[Any, ...]  # with Slot markers
     kwargs: dict[str, Any]
     output: int
-
-    def describe(self) -> str:
-        return self.name
 
 
 @dataclass(frozen=True)
@@ -65,11 +92,11 @@ class Plan:
     constants: dict[int, Any]
     steps: list[Step]
     pool_sizes: list[int]  # bytes per pooled block
-    pool_views: dict[tuple[int, int], TensorMeta] = field(default_factory=dict)  # (step, out)
+    notes: dict[str, Any] = field(default_factory=dict)
 
 
 class _Frame(threading.local):
-    """Per-thread state: the pooled intermediates and prebuilt kernel argument arrays."""
+    """Per-thread state: the pooled blocks and prebuilt kernel argument arrays."""
 
     ready: bool = False
 
@@ -84,28 +111,38 @@ class Runtime:
     def _prepare(self) -> _Frame:
         f = self._frame
         plan = self.plan
-        blocks = [torch.empty(max(n, 1), dtype=torch.uint8) for n in plan.pool_sizes]
-        f.blocks = blocks
-        f.views = {}
+        f.blocks = [torch.empty(max(n, 1), dtype=torch.uint8) for n in plan.pool_sizes]
+        f.pooled = {}  # (step, arg) -> tensor view of a pooled block
         f.arrays = []
+        f.dynamic = []  # per step: [(arg position, arg)] filled on every call
         for si, step in enumerate(plan.steps):
             if not isinstance(step, KernelStep):
                 f.arrays.append(None)
+                f.dynamic.append(None)
                 continue
-            arr = (ctypes.c_void_p * (len(step.inputs) + len(step.outputs)))()
-            for oi, blk in enumerate(step.pooled):
-                if blk is None:
-                    continue
-                m = step.output_meta[oi]
-                t = _typed(blocks[blk], m)
-                f.views[(si, oi)] = t
-                arr[len(step.inputs) + oi] = t.data_ptr()
+            arr = (ctypes.c_void_p * len(step.args))()
+            dyn: list[tuple[int, In | Out]] = []
+            for ai, a in enumerate(step.args):
+                if isinstance(a, Const):
+                    arr[ai] = a.value if isinstance(a.value, int) else a.value.data_ptr()
+                elif isinstance(a, Scratch):
+                    arr[ai] = f.blocks[a.block].data_ptr() if a.block is not None else None
+                    if a.block is None:
+                        raise AssertionError("scratch without a block")
+                elif isinstance(a, Out) and a.block is not None:
+                    t = _typed(f.blocks[a.block], a.meta)
+                    f.pooled[(si, ai)] = t
+                    arr[ai] = t.data_ptr()
+                    dyn.append((ai, a))
+                else:
+                    dyn.append((ai, a))
             f.arrays.append(arr)
+            f.dynamic.append(dyn)
         f.recycle = {}
         f.ready = True
         return f
 
-    def __call__(self, inputs: Sequence[Any]) -> list[Any]:
+    def __call__(self, inputs: list[Any]) -> list[Any]:
         f = self._frame if self._frame.ready else self._prepare()
         plan = self.plan
         env: list[Any] = [None] * plan.n_slots
@@ -117,19 +154,18 @@ class Runtime:
         for si, step in enumerate(plan.steps):
             if type(step) is KernelStep:
                 arr = f.arrays[si]
-                n_in = len(step.inputs)
-                for i, s in enumerate(step.inputs):
-                    t = env[s]
-                    if step.check_inputs[i]:
-                        t = env[s] = _conform(t, step.input_meta[i])
-                    arr[i] = t.data_ptr()
-                for oi, s in enumerate(step.outputs):
-                    if step.pooled[oi] is None:
-                        t = _fresh(f.recycle, (si, oi), step.output_meta[oi])
-                        arr[n_in + oi] = t.data_ptr()
+                for ai, a in f.dynamic[si]:
+                    if type(a) is In:
+                        t = env[a.slot]
+                        if a.check:
+                            t = env[a.slot] = _conform(t, a.meta)
+                        arr[ai] = t.data_ptr()
+                    elif a.block is None:  # fresh output
+                        t = _fresh(f.recycle, (si, ai), a.meta)
+                        arr[ai] = t.data_ptr()
+                        env[a.slot] = t
                     else:
-                        t = f.views[(si, oi)]
-                    env[s] = t
+                        env[a.slot] = f.pooled[(si, ai)]
                 if step.fn(arr, nthreads):
                     # torch raises this very error for integer division by zero
                     raise RuntimeError("ZeroDivisionError")
@@ -188,14 +224,14 @@ def _conform(t: torch.Tensor, m: TensorMeta) -> torch.Tensor:
     return out
 
 
-# -- building a plan -----------------------------------------------------------------------
-def assign_pool(lifetimes: list[tuple[int, int, int]]) -> tuple[list[int | None], list[int]]:
+# -- memory planning ----------------------------------------------------------------------------
+def assign_pool(lifetimes: list[tuple[int, int, int]]) -> tuple[list[int], list[int]]:
     """Best-fit block assignment. lifetimes: (first step, last step, nbytes) per buffer.
     Returns the block of each buffer and the block sizes."""
     order = sorted(range(len(lifetimes)), key=lambda i: lifetimes[i][0])
     blocks: list[int] = []
     free_at: list[int] = []  # step after which each block is free
-    result: list[int | None] = [None] * len(lifetimes)
+    result = [0] * len(lifetimes)
     for i in order:
         start, end, size = lifetimes[i]
         best = None

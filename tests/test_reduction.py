@@ -103,7 +103,9 @@ def test_attention_softmax_with_scale_mask_and_bias() -> None:
     s = torch.randn(2, 3, 16, 16)
     mask = torch.rand(16, 16) > 0.7
     bias = torch.randn(3, 16, 16)
-    one_kernel(lambda a, m, b: ((a * 0.125 + b).masked_fill(m, float("-inf"))).softmax(-1), s, mask, bias)
+    one_kernel(
+        lambda a, m, b: ((a * 0.125 + b).masked_fill(m, float("-inf"))).softmax(-1), s, mask, bias
+    )
     one_kernel(lambda a, b: (a / 8 + b).log_softmax(-1), s, bias)
 
 
@@ -157,16 +159,28 @@ def test_schedules(fn, shape, schedule) -> None:  # type: ignore[no-untyped-def]
 
 def test_channels_last_statistics_use_columns() -> None:
     x = X4.to(memory_format=torch.channels_last)
-    fn = lambda a: torch.var_mean(a, (0, 2, 3), correction=0)  # noqa: E731
+    fn = lambda a: torch.var_mean(a, (0, 2, 3), correction=0)
     assert "schedule columns" in source(fn, x)
     one_kernel(fn, x)
 
 
 def test_nan_and_inf_semantics() -> None:
-    x = torch.tensor([[1.0, float("nan"), 3.0, float("nan")], [2.0, 2.0, 1.0, 2.0],
-                      [float("-inf")] * 4, [0.0, -0.0, 0.0, 1.0]])
-    for fn in (lambda a: a.amax(-1), lambda a: a.argmax(-1), lambda a: a.max(-1),
-               lambda a: a.argmin(-1), lambda a: a.sum(-1), lambda a: a.softmax(-1)):
+    x = torch.tensor(
+        [
+            [1.0, float("nan"), 3.0, float("nan")],
+            [2.0, 2.0, 1.0, 2.0],
+            [float("-inf")] * 4,
+            [0.0, -0.0, 0.0, 1.0],
+        ]
+    )
+    for fn in (
+        lambda a: a.amax(-1),
+        lambda a: a.argmax(-1),
+        lambda a: a.max(-1),
+        lambda a: a.argmin(-1),
+        lambda a: a.sum(-1),
+        lambda a: a.softmax(-1),
+    ):
         m = Fn(fn).eval()
         assert_matches_eager(m, opfuse.compile(m, (x,))(x), (x,))
 
@@ -197,8 +211,11 @@ def test_backward_graphs_fuse_and_match_eager(module: str) -> None:
     m = nn.Sequential(nn.Linear(96, 96), mods[module])
     m64 = copy.deepcopy(m).double()
     grads = []
-    for model, compiled, dtype in ((m, False, torch.float32), (m64, False, torch.float64),
-                                   (copy.deepcopy(m), True, torch.float32)):
+    for model, compiled, dtype in (
+        (m, False, torch.float32),
+        (m64, False, torch.float64),
+        (copy.deepcopy(m), True, torch.float32),
+    ):
         x = X.to(dtype).clone().requires_grad_()
         out = (torch.compile(model, backend="opfuse") if compiled else model)(x)
         (out * out).sum().backward()
@@ -222,8 +239,15 @@ REDUCE = {
     "var": lambda t, d, k: t.var(d, keepdim=k),
     "logsumexp": lambda t, d, k: t.logsumexp(d, keepdim=k),
 }
-PRO = [torch.relu, torch.tanh, lambda t: t * 1.5 + 0.25, torch.sigmoid, torch.abs,
-       lambda t: t * t, F.gelu]
+PRO = [
+    torch.relu,
+    torch.tanh,
+    lambda t: t * 1.5 + 0.25,
+    torch.sigmoid,
+    torch.abs,
+    lambda t: t * t,
+    F.gelu,
+]
 EPI = [torch.exp, lambda t: t * 0.5, torch.sqrt, lambda t: t + 1.0, torch.neg]
 
 

@@ -114,6 +114,7 @@ class _Partitioner:
             if self.fusable(n):
                 self._fuse_producers(n)
         self._fuse_siblings()
+        self._attach_epilogues()
         self._record_boundaries()
         return self._result()
 
@@ -209,6 +210,67 @@ class _Partitioner:
             return bind(r)["self"].tensor.shape, reduce_dims(r)[0]
         return None
 
+    def _attach_epilogues(self) -> None:
+        """A matmul or convolution takes the pointwise group that consumes its result as
+        its epilogue (fusion/epilogue rules; how it then runs is measured later)."""
+        for a in self.g.nodes:
+            if self.kinds.get(a) != Kind.ANCHOR or len(self.members[self.group_of[a]]) != 1:
+                continue
+            consumers = self._consumers(a)
+            if not consumers:
+                continue
+            groups = {self.group_of.get(c) for c in consumers}
+            fusable = [c for c in consumers if self.fusable(c)]
+            what = "convolution" if "convolution" in a.op else a.op.split(".")[1]
+            if len(groups) != 1 or len(fusable) != len(consumers):
+                other = next(
+                    c
+                    for c in consumers
+                    if c not in fusable or self.group_of.get(c) != self.group_of.get(consumers[0])
+                )
+                self._reject(
+                    a, other, f"{what} output has {len(consumers)} users in different kernels"
+                )
+                continue
+            gid = self.group_of[consumers[0]]
+            if any(self.kinds.get(m) == Kind.REDUCTION for m in self.members[gid]):
+                op = consumers[0].op.split(".")[1]
+                self._reject(a, consumers[0], f"{what} output feeds a reduction ({op})")
+                continue
+            reason = self._try_epilogue(a, gid)
+            if reason:
+                self._reject(a, consumers[0], reason)
+            else:
+                self.fusions.append((a.name, consumers[0].name))
+
+    def _consumers(self, a: Node) -> list[Node]:
+        out: list[Node] = []
+        stack = list(self.g.users[a])
+        while stack:
+            u = stack.pop()
+            if self.kinds.get(u) == Kind.INJECTIVE and u.op != GETITEM:
+                stack.extend(self.g.users[u])
+                if u in self.g.output_set:
+                    out.append(u)
+            elif u not in out:
+                out.append(u)
+        return sorted(out, key=self.index.__getitem__)
+
+    def _try_epilogue(self, a: Node, gid: int) -> str | None:
+        from ..lower.epilogue import check_epilogue
+
+        members = [a, *self.members[gid]]
+        if self._creates_cycle({a}, set(self.members[gid])):
+            return "fusing would create a cycle through an op outside both groups"
+        try:
+            check_epilogue(self.g, a, members)
+        except NotFusable as e:
+            return str(e)
+        if not self.fuel.take():
+            return "optimization fuel exhausted (OPFUSE_FUEL)"
+        self._union(self.group_of[a], gid)
+        return None
+
     def _record_boundaries(self) -> None:
         """Say why a fused value leaves its kernel for a library call or a torch op."""
         seen: set[tuple[Node, Node]] = set()
@@ -255,6 +317,10 @@ class _Partitioner:
                 pattern, anchor, reason = "elementwise", None, ""
             elif kinds == {Kind.ANCHOR}:
                 pattern, anchor, reason = "library", nodes[0], ""
+            elif Kind.ANCHOR in kinds:
+                anchor = next(n for n in nodes if self.kinds[n] == Kind.ANCHOR)
+                conv = "convolution" in anchor.op
+                pattern, reason = ("conv_epilogue" if conv else "gemm_epilogue"), ""
             else:
                 pattern, anchor = "fallback", nodes[0]
                 reason = self.why_opaque.get(nodes[0], "no fused implementation")

@@ -75,9 +75,19 @@ def acc_dtype(combine: str, dtype: torch.dtype) -> torch.dtype:
 
 
 class _Lowering:
-    def __init__(self, graph: Graph, members: Iterable[Node]) -> None:
+    def __init__(
+        self,
+        graph: Graph,
+        members: Iterable[Node],
+        domain: tuple[int, ...] | None = None,
+        overrides: dict[Node, Any] | None = None,
+    ) -> None:
         self.g = graph
         self.members = set(members)
+        # A fixed loop domain (a GEMM epilogue runs over the GEMM's [M, N]) and values
+        # computed another way (the GEMM result, read from its block buffer).
+        self.fixed_domain = domain
+        self.overrides = overrides or {}
         self.order = [n for n in graph.nodes if n in self.members]
         self.memo: dict[tuple[Node, tuple[Ix, ...]], Expr] = {}
         self.in_buffers: dict[Node, Buffer] = {}
@@ -129,6 +139,8 @@ class _Lowering:
         return e
 
     def _value(self, n: Node, idx: tuple[Ix, ...]) -> Expr:
+        if n in self.overrides:
+            return self.overrides[n](self, idx)
         if n.op == GETITEM and n.args[0] in self.members:
             return self._reduced(n.args[0], n.args[1], idx)
         if n not in self.members and is_generator(n):
@@ -275,6 +287,8 @@ class _Lowering:
         reductions = [m for m in self.order if info(m.op).kind == Kind.REDUCTION]
         if reductions:
             self._reduction_domain(reductions)
+        elif self.fixed_domain is not None:
+            self._set_domain(self.fixed_domain)
         else:
             self._pointwise_domain(outs)
         self.reduction_size = math.prod(self.full_shape[d] for d in self.dims)
@@ -293,7 +307,7 @@ class _Lowering:
                 # dimensions are 0.
                 idx = _broadcast(self.full_index, self.full_shape, m.shape)
                 guard = _broadcast_guard(self.full_index, self.full_shape, m.shape)
-            elif reductions and m.numel == math.prod(self.full_shape):
+            elif (reductions or self.fixed_domain) and m.numel == math.prod(self.full_shape):
                 # Same elements, another shape (GroupNorm's [N, C, H, W] output of an
                 # [N, G, C/G*H*W] reduction): walk the domain, store at the row-major match.
                 idx = delinearize(linearize(self.full_index, self.full_shape), m.shape)
@@ -323,7 +337,7 @@ class _Lowering:
             reduction_size=self.reduction_size,
             checks=tuple(self.checks),
         )
-        return schedule(kernel)
+        return kernel if self.fixed_domain is not None else schedule(kernel)
 
     def _pointwise_domain(self, outs: list[Node]) -> None:
         """The loop domain of a pointwise group: the broadcast of its output shapes."""
@@ -334,6 +348,9 @@ class _Lowering:
             raise NotFusable(f"outputs have shapes {shapes} that do not broadcast") from None
         if not any(o.tensor.shape == shape for o in outs):
             raise NotFusable(f"no output covers the domain {list(shape)}")
+        self._set_domain(shape)
+
+    def _set_domain(self, shape: tuple[int, ...]) -> None:
         self.full_shape = shape
         self.dims = ()
         self.full_vars = tuple(Var(f"i{d}", s) for d, s in enumerate(shape))
@@ -469,6 +486,19 @@ def kernel_name(nodes: Sequence[Node], limit: int = 5) -> str:
 def lower_group(graph: Graph, members: Iterable[Node]) -> Kernel:
     """Lower one fused group; raises NotFusable with the reason when it cannot be."""
     return _Lowering(graph, members).run()
+
+
+def lower_on_domain(
+    graph: Graph,
+    members: Iterable[Node],
+    domain: tuple[int, ...],
+    overrides: dict[Node, Any],
+) -> tuple[Kernel, _Lowering]:
+    """Lower pointwise `members` over a fixed `domain` (loop variables i0, i1, ... kept as
+    they are: no merging, no reordering), computing `overrides` nodes with the given
+    functions (lowering, index) -> Expr. Used for GEMM epilogues."""
+    low = _Lowering(graph, members, domain, overrides)
+    return low.run(), low
 
 
 def schedule(kernel: Kernel) -> Kernel:

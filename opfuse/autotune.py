@@ -1,0 +1,201 @@
+"""Profile-guided choice of how a fusion group runs.
+
+An epilogue group can run as a blocked GEMM with the epilogue in cache, as oneDNN post-ops,
+or unfused (library call, then the epilogue kernel). The first compile of a shape times each
+candidate on inputs of the real shapes and keeps the fastest; the decision is stored in the
+kernel cache directory, keyed by everything that could change it (the candidates' code,
+shapes, thread count, CPU, torch version), so a warm compile does not time again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .fusion.groups import Group, Partition
+from .ir.graph import CONSTANT, INPUT, Graph, GraphBuilder, Node, TensorMeta
+from .ir.ops import Kind, info
+
+REPS = 5
+
+
+@dataclass(frozen=True)
+class Decision:
+    choice: str
+    seconds: dict[str, float]  # median time of each candidate that ran
+    cached: bool = False
+
+    def describe(self) -> str:
+        if not self.seconds:
+            return f"{self.choice} (forced by Options.implementation)"
+        ranked = sorted(self.seconds.items(), key=lambda kv: kv[1])
+        times = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in ranked)
+        src = "cached decision" if self.cached else "measured"
+        return f"{self.choice} ({src}: {times})"
+
+
+def subgraph(graph: Graph, members: Sequence[Node]) -> tuple[Graph, list[Node]]:
+    """The group as a graph of its own: what it reads from outside becomes inputs (frozen
+    constants stay constants; views of outside values are kept)."""
+    inside = set(members)
+    b = GraphBuilder().copy_from(graph)
+    externals: list[Node] = []
+    done: set[Node] = set()
+
+    def bring(n: Node) -> None:
+        if n in done or n in inside:
+            return
+        done.add(n)
+        if n.op == CONSTANT:
+            b.copy(n)
+        elif info(n.op).kind == Kind.INJECTIVE and n.op != "getitem" and n.inputs():
+            for i in n.inputs():
+                bring(i)
+            b.copy(n)
+        else:
+            new = b.add(INPUT, meta=n.meta, name=n.name)
+            b.replace(n, new)
+            externals.append(n)
+
+    for m in members:
+        for i in m.inputs():
+            bring(i)
+        b.copy(m)
+    outs = [
+        m for m in members if m in graph.output_set or any(u not in inside for u in graph.users[m])
+    ]
+    return b.build(outs), externals
+
+
+def random_like(m: TensorMeta, g: torch.Generator) -> torch.Tensor:
+    if m.dtype.is_floating_point:
+        base = torch.randn(m.numel or 1, generator=g).to(m.dtype)
+    elif m.dtype == torch.bool:
+        base = torch.rand(m.numel or 1, generator=g) > 0.5
+    else:
+        base = torch.randint(1, 8, (m.numel or 1,), generator=g).to(m.dtype)
+    out = torch.empty_strided(m.shape, m.stride, dtype=m.dtype)
+    if m.numel:
+        out.copy_(base[: m.numel].view(m.shape))
+    return out
+
+
+def time_candidates(
+    candidates: Mapping[str, Callable[[], Any]], reps: int = REPS
+) -> dict[str, float]:
+    """Median seconds per candidate, interleaved; a candidate that raises is dropped."""
+    alive = dict(candidates)
+    samples: dict[str, list[float]] = {k: [] for k in alive}
+    with torch.no_grad():
+        for k in list(alive):
+            try:
+                alive[k]()
+                alive[k]()
+            except Exception:
+                del alive[k]
+        for _ in range(reps):
+            for k, fn in alive.items():
+                t0 = time.perf_counter()
+                fn()
+                samples[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in samples.items() if v}
+
+
+def decision_key(parts: Sequence[str]) -> str:
+    h = hashlib.sha256()
+    for p in (*parts, torch.__version__, platform.machine(), _cpu(), str(torch.get_num_threads())):
+        h.update(p.encode())
+        h.update(b"\0")
+    return h.hexdigest()[:40]
+
+
+def _cpu() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _store() -> Path | None:
+    try:
+        from .backends.c.build import cache_dir
+
+        return cache_dir() / "decisions.json"
+    except Exception:
+        return None
+
+
+def load_decision(key: str) -> Decision | None:
+    path = _store()
+    if path is None or not path.exists():
+        return None
+    try:
+        d = json.loads(path.read_text()).get(key)
+    except (OSError, ValueError):
+        return None
+    return Decision(d["choice"], d["seconds"], cached=True) if d else None
+
+
+def save_decision(key: str, d: Decision) -> None:
+    path = _store()
+    if path is None:
+        return
+    try:
+        data = json.loads(path.read_text()) if path.exists() else {}
+    except (OSError, ValueError):
+        data = {}
+    data[key] = {"choice": d.choice, "seconds": d.seconds}
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f)
+    os.replace(tmp, path)  # concurrent writers: last one wins, the file stays valid
+
+
+def choose(
+    graph: Graph,
+    group: Group,
+    candidates: Mapping[str, Any],
+    identity: Sequence[str],
+    run_plan: Callable[[Graph, Partition, Mapping[int, Any]], Callable[[list[Any]], Any]],
+) -> Decision:
+    """Time each candidate implementation of `group` (Built objects for plan.build_plan)
+    on random inputs of its shapes; return (and remember) the fastest."""
+    key = decision_key([*identity, *sorted(candidates)])
+    hit = load_decision(key)
+    if hit is not None and hit.choice in candidates:
+        return hit
+    sub, externals = subgraph(graph, group.nodes)
+    by_name = {n.name: n for n in sub.nodes}
+    members = [by_name[n.name] for n in group.nodes]
+    sub_group = Group(
+        0, members, group.pattern, by_name[group.anchor.name] if group.anchor else None
+    )
+    part = Partition([sub_group])
+    g = torch.Generator().manual_seed(0)
+    inputs = [random_like(n.tensor, g) for n in externals]
+    runners = {}
+    for name, built in candidates.items():
+        run = run_plan(sub, part, {0: built} if built is not None else {})
+        runners[name] = lambda run=run: run(inputs)
+    seconds = time_candidates(runners)
+    if not seconds:
+        return Decision(next(iter(candidates)), {})
+    best = min(seconds, key=seconds.__getitem__)
+    decision = Decision(best, seconds)
+    save_decision(key, decision)
+    return decision

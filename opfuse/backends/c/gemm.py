@@ -1,0 +1,200 @@
+"""Blocked GEMM with a fused epilogue: C source, and the library side (MKL's packed GEMM
+as the torch build ships it, found by symbol, and weight packing).
+
+Each tile of the output is computed by the library (single-threaded inside our OpenMP
+region) and the epilogue runs over the tile right away, while it is in cache:
+
+    parallel for each (batch, tile_m, tile_n):
+        gemm(tile)                        cblas_sgemm_compute with a packed weight, or sgemm
+        for rows, simd for cols: out = epilogue(gemm_tile, ...)
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ...lower.epilogue import GemmKernel
+from .render import CTYPE, Emitter, _stores
+
+ROW_MAJOR, NO_TRANS, TRANS, PACKED, B_MATRIX = 101, 111, 112, 151, 162
+
+GEMM_TYPES = r"""
+typedef void (*opfuse_sgemm_compute_t)(int, int, int, int, int, int, const float *, int,
+                                       const float *, int, float, float *, int);
+typedef void (*opfuse_sgemm_t)(const char *, const char *, const int *, const int *,
+                               const int *, const float *, const float *, const int *,
+                               const float *, const int *, const float *, float *, const int *);
+"""
+
+
+@dataclass(frozen=True)
+class Blas:
+    """Addresses of the library entry points inside torch's own libraries."""
+
+    sgemm: int
+    sgemm_compute: int | None
+    sgemm_pack: int | None
+    sgemm_pack_get_size: int | None
+
+
+@functools.lru_cache(maxsize=1)
+def blas() -> Blas | None:
+    """MKL as linked into libtorch_cpu (x86 builds of torch); None where it is absent."""
+    lib_dir = os.path.join(os.path.dirname(torch.__file__), "lib")
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        path = os.path.join(lib_dir, name)
+        if not os.path.exists(path):
+            continue
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            return None
+
+        def addr(sym: str, lib: ctypes.CDLL = lib) -> int | None:
+            try:
+                return ctypes.cast(getattr(lib, sym), ctypes.c_void_p).value
+            except AttributeError:
+                return None
+
+        sgemm = addr("sgemm")
+        if sgemm is None:
+            return None
+        return Blas(
+            sgemm,
+            addr("cblas_sgemm_compute"),
+            addr("cblas_sgemm_pack"),
+            addr("cblas_sgemm_pack_get_size"),
+        )
+    return None
+
+
+def can_pack() -> bool:
+    b = blas()
+    return b is not None and None not in (b.sgemm_compute, b.sgemm_pack, b.sgemm_pack_get_size)
+
+
+def pack_weight(k: GemmKernel, weight: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+    """Pack B (a frozen weight, as the GEMM reads it: [K, N] possibly transposed) once,
+    one packed block per column tile. Returns the buffer and each tile's offset (floats)."""
+    b = blas()
+    assert b is not None and b.sgemm_pack is not None and b.sgemm_pack_get_size is not None
+    spec = k.spec
+    get_size = ctypes.CFUNCTYPE(
+        ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int
+    )(b.sgemm_pack_get_size)
+    pack = ctypes.CFUNCTYPE(
+        None,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_int,
+        ctypes.c_float,
+        ctypes.c_void_p,
+        ctypes.c_int,
+        ctypes.c_void_p,
+    )(b.sgemm_pack)
+    offsets, sizes = [], []
+    total = 0
+    for n0 in range(0, spec.n, k.tile_n):
+        nn = min(k.tile_n, spec.n - n0)
+        size = -(-get_size(B_MATRIX, k.tile_m, nn, spec.k) // 4) + 16  # floats, padded
+        offsets.append(total)
+        sizes.append(size)
+        total += -(-size // 16) * 16  # 64-byte aligned blocks
+    buf = torch.zeros(total, dtype=torch.float32)
+    base = weight.data_ptr()
+    elt = weight.element_size()
+    for n0, off in zip(range(0, spec.n, k.tile_n), offsets):
+        nn = min(k.tile_n, spec.n - n0)
+        src = base + elt * (n0 * spec.b.ld if spec.b.trans else n0)
+        pack(
+            ROW_MAJOR,
+            B_MATRIX,
+            TRANS if spec.b.trans else NO_TRANS,
+            k.tile_m,
+            nn,
+            spec.k,
+            1.0,
+            src,
+            spec.b.ld,
+            buf.data_ptr() + 4 * off,
+        )
+    return buf, offsets
+
+
+def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> str:
+    """C for one blocked GEMM. Arguments: A, B (packed weight or matrix), the epilogue's
+    buffers in order (the `gemm` one is scratch for the GEMM result), the library
+    function's address."""
+    s = k.spec
+    epi = k.epilogue
+    lines = [
+        f"/* {k.name}: {', '.join(dict.fromkeys(k.ops))}",
+        f" * blocked GEMM {s.batch}x{s.m}x{s.n}x{s.k}, tiles {k.tile_m}x{k.tile_n}, "
+        f"{'packed weight' if packed_offsets is not None else 'sgemm'}; epilogue in cache */",
+        f"int {name}(void *const *args, int nthreads) {{",
+        "  const float *restrict A = (const float *)args[0];",
+        "  const float *restrict B = (const float *)args[1];",
+    ]
+    for i, b in enumerate(epi.buffers):
+        t = CTYPE[b.dtype]
+        writable = b.role == "out" or b.name == k.gemm_buffer
+        const = "" if writable else "const "
+        lines.append(f"  {const}{t} *restrict {b.name} = ({const}{t} *)args[{i + 2}];")
+    fn_arg = len(epi.buffers) + 2
+    if packed_offsets is not None:
+        lines.append(
+            f"  const opfuse_sgemm_compute_t gemm = (opfuse_sgemm_compute_t)args[{fn_arg}];"
+        )
+        offs = ", ".join(str(o) for o in packed_offsets)
+        lines.append(f"  static const int64_t packed_at[] = {{{offs}}};")
+    else:
+        lines.append(f"  const opfuse_sgemm_t gemm = (opfuse_sgemm_t)args[{fn_arg}];")
+    tiles_m = -(-s.m // k.tile_m)
+    tiles_n = -(-s.n // k.tile_n)
+    g = k.gemm_buffer
+    lines += [
+        "  int err = 0;",
+        "  #pragma omp parallel for collapse(3) num_threads(nthreads) schedule(static)",
+        f"  for (int64_t bb = 0; bb < {s.batch}; bb++)",
+        f"  for (int64_t tm = 0; tm < {tiles_m}; tm++)",
+        f"  for (int64_t tn = 0; tn < {tiles_n}; tn++) {{",
+        f"    const int m0 = (int)(tm * {k.tile_m}), n0 = (int)(tn * {k.tile_n});",
+        f"    const int mm = {s.m} - m0 < {k.tile_m} ? {s.m} - m0 : {k.tile_m};",
+        f"    const int nn = {s.n} - n0 < {k.tile_n} ? {s.n} - n0 : {k.tile_n};",
+        f"    float *tile = {g} + bb * {s.m * s.n} + (int64_t)m0 * {s.n} + n0;",
+    ]
+    a_off = f"bb * {s.a.batch_stride} + " + ("m0" if s.a.trans else f"(int64_t)m0 * {s.a.ld}")
+    if packed_offsets is not None:
+        lines.append(
+            f"    gemm({ROW_MAJOR}, {TRANS if s.a.trans else NO_TRANS}, {PACKED}, mm, nn, {s.k}, "
+            f"A + {a_off}, {s.a.ld}, B + packed_at[tn], {s.k}, 0.0f, tile, {s.n});"
+        )
+    else:
+        b_off = f"bb * {s.b.batch_stride} + " + (f"(int64_t)n0 * {s.b.ld}" if s.b.trans else "n0")
+        lines += [
+            f"    const int K = {s.k}, lda = {s.a.ld}, ldb = {s.b.ld}, ldc = {s.n};",
+            "    const float one = 1.0f, zero = 0.0f;",
+            # column-major BLAS: tile^T = B^T A^T
+            f'    gemm("{"T" if s.b.trans else "N"}", "{"T" if s.a.trans else "N"}", '
+            f"&nn, &mm, &K, &one, B + {b_off}, &ldb, A + {a_off}, &lda, &zero, tile, &ldc);",
+        ]
+    # The epilogue over the tile. Its loop variables are the GEMM's: i0 (batch), i1, i2.
+    bvar, mvar, nvar = ("i0", "i1", "i2") if s.kind == "bmm" else (None, "i0", "i1")
+    em = Emitter([{}], [0])
+    if bvar:
+        lines.append(f"    const int64_t {bvar} = bb;")
+    lines.append(f"    for (int64_t {mvar} = m0; {mvar} < m0 + mm; {mvar}++) {{")
+    lines.append("      #pragma omp simd")
+    lines.append(f"      for (int64_t {nvar} = n0; {nvar} < n0 + nn; {nvar}++) {{")
+    em.scopes.append({})
+    _stores(em, epi.passes[0].stores, lines, "        ")
+    lines += ["      }", "    }", "  }", "  return err;", "}"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,222 @@
+"""All candidate kernels of a graph -> one translation unit -> one loaded library, and the
+runnable objects (plan.Built*) for every candidate, oneDNN calls included."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...ir.graph import Graph, Node, bind
+from ...lower.epilogue import GemmKernel, OneDnnPlan, _const_root
+from ...lower.groups import Lowered
+from ...lower.kernel import Kernel
+from ...plan import Built, BuiltCall, BuiltGemm, BuiltKernel
+from .build import BuildError, build
+from .gemm import GEMM_TYPES, blas, can_pack, pack_weight, render_gemm
+from .render import render_module
+
+
+@dataclass
+class Module:
+    source: str
+    candidates: dict[int, dict[str, Built | None]] = field(default_factory=dict)
+    cached: bool = True
+    problem: str = ""  # why nothing was built (the compiler failed)
+
+
+def build_module(graph: Graph, lowered: Lowered) -> Module:
+    names: dict[tuple[int, str], str] = {}
+    kernels: list[tuple[str, Kernel]] = []
+    gemms: list[tuple[str, GemmKernel, list[int] | None]] = []
+    packed: dict[tuple[int, str], torch.Tensor] = {}
+    for gid, cands in lowered.candidates.items():
+        for cname, c in cands.items():
+            if isinstance(c, Kernel):
+                name = f"{c.name}_{gid}" if cname == "kernel" else f"{c.name}_{cname}_{gid}"
+                names[(gid, cname)] = name
+                kernels.append((name, c))
+            elif isinstance(c, GemmKernel):
+                offsets = None
+                if c.spec.packable and can_pack():
+                    w = _weight(graph, c)
+                    buf, offsets = pack_weight(c, w)
+                    packed[(gid, cname)] = buf
+                name = f"{c.name}_{cname}_{gid}"
+                names[(gid, cname)] = name
+                gemms.append((name, c, offsets))
+    source = render_module(kernels)
+    if gemms:
+        source = GEMM_TYPES + source + "\n".join(render_gemm(n, k, o) for n, k, o in gemms)
+    mod = Module(source)
+    lib = None
+    if kernels or gemms:
+        try:
+            lib = build(source)
+            mod.cached = lib.cached
+        except BuildError as e:
+            mod.problem = f"opfuse: kernels could not be built, running those ops with torch ({e})"
+    b = blas()
+    for gid, cands in lowered.candidates.items():
+        built: dict[str, Built | None] = {}
+        for cname, c in cands.items():
+            if c is None:
+                built[cname] = None
+            elif isinstance(c, OneDnnPlan):
+                try:
+                    call = onednn_call(graph, c, channels_last=cname.endswith("nhwc"))
+                except RuntimeError:  # oneDNN refuses this dtype or layout: not a candidate
+                    call = None
+                if call is not None:
+                    built[cname] = call
+            elif lib is None:
+                continue
+            elif isinstance(c, Kernel):
+                built[cname] = BuiltKernel(c, lib.fn(names[(gid, cname)]))
+            elif isinstance(c, GemmKernel) and b is not None:
+                pk = packed.get((gid, cname))
+                fn_addr = b.sgemm_compute if pk is not None else b.sgemm
+                assert fn_addr is not None
+                built[cname] = BuiltGemm(c, lib.fn(names[(gid, cname)]), pk, fn_addr)
+        mod.candidates[gid] = built
+    return mod
+
+
+def _weight(graph: Graph, k: GemmKernel) -> torch.Tensor:
+    node = k.spec.b.node
+    root = _const_root(node)
+    assert root is not None
+    t = graph.constants.get(node.name)
+    if t is None:  # a view of a constant: rebuild it with the node's layout
+        base = graph.constants[root.name]
+        m = node.tensor
+        t = base.as_strided(
+            m.shape, m.stride, base.storage_offset() + m.offset - root.tensor.offset
+        )
+    return t
+
+
+# -- oneDNN --------------------------------------------------------------------------------------
+def onednn_call(graph: Graph, plan: OneDnnPlan, channels_last: bool = False) -> BuiltCall | None:
+    a = plan.anchor
+    if a.op == "aten.convolution.default":
+        return _conv_call(graph, plan, channels_last)
+    return _linear_call(graph, plan)
+
+
+def _const(graph: Graph, n: Node | None) -> torch.Tensor | None:
+    if n is None:
+        return None
+    if n.name in graph.constants:
+        return graph.constants[n.name]
+    return None
+
+
+def _linear_call(graph: Graph, plan: OneDnnPlan) -> BuiltCall | None:
+    a = bind(plan.anchor)
+    x = a["mat1"] if plan.anchor.op == "aten.addmm.default" else a["self"]
+    mat2 = a["mat2"]
+    w_t = _const(graph, mat2)
+    if w_t is None:
+        return None
+    weight = w_t.t().contiguous()  # oneDNN takes the nn.Linear layout [out, in]
+    bias = _const(graph, a.get("self")) if plan.anchor.op == "aten.addmm.default" else None
+    if plan.anchor.op == "aten.addmm.default" and (
+        bias is None or a.get("alpha", 1) != 1 or a.get("beta", 1) != 1
+    ):
+        return None
+    if bias is not None and bias.ndim != 1:
+        return None
+    out_shape = plan.output.tensor.shape
+    n = weight.shape[0]
+    op = torch.ops.mkldnn._linear_pointwise
+    if plan.binary is None:
+        attr = plan.unary or "none"
+        scalars, alg = list(plan.scalars), plan.algorithm
+
+        def call(xv: torch.Tensor) -> torch.Tensor:
+            return op(xv, weight, bias, attr, scalars, alg).view(out_shape)
+
+        return BuiltCall(call, [x], plan.output)
+    assert plan.other is not None
+    battr = plan.binary
+
+    def call2(xv: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return op.binary(xv, other.reshape(-1, n), weight, bias, battr).view(out_shape)
+
+    return BuiltCall(call2, [x, plan.other], plan.output)
+
+
+def _conv_call(graph: Graph, plan: OneDnnPlan, channels_last: bool) -> BuiltCall | None:
+    a = bind(plan.anchor)
+    x, w, b = a["input"], a["weight"], a["bias"]
+    weight = _const(graph, w)
+    bias = _const(graph, b) if b is not None else None
+    if weight is None or (b is not None and bias is None) or a["transposed"]:
+        return None
+    stride, padding, dilation, groups = (
+        list(a["stride"]),
+        list(a["padding"]),
+        list(a["dilation"]),
+        a["groups"],
+    )
+    dims = weight.ndim - 2
+    in_shape = list(x.tensor.shape)
+    packed: Any = weight
+    try:
+        if dims == 2:
+            packed = torch._C._nn.mkldnn_reorder_conv2d_weight(  # type: ignore[call-arg]
+                weight.to_mkldnn(), padding, stride, dilation, groups, in_shape
+            )
+        elif dims == 3:
+            packed = torch._C._nn.mkldnn_reorder_conv3d_weight(  # type: ignore[call-arg]
+                weight.to_mkldnn(), padding, stride, dilation, groups, in_shape
+            )
+    except (RuntimeError, AttributeError):
+        packed = weight
+    if channels_last and dims not in (2, 3):
+        return None
+    fmt = (torch.channels_last if dims == 2 else torch.channels_last_3d) if channels_last else None
+    out_meta = plan.output.tensor
+    keep_layout = fmt is not None and out_meta.is_contiguous()
+    op = torch.ops.mkldnn._convolution_pointwise
+    attr, scalars, alg = plan.unary or "none", list(plan.scalars), plan.algorithm
+
+    def prep(t: torch.Tensor) -> torch.Tensor:
+        return t.contiguous(memory_format=fmt) if fmt is not None else t
+
+    def fix(y: torch.Tensor) -> torch.Tensor:
+        return y.contiguous() if keep_layout else y
+
+    if plan.binary is None:
+
+        def call(xv: torch.Tensor) -> torch.Tensor:
+            return fix(
+                op(prep(xv), packed, bias, padding, stride, dilation, groups, attr, scalars, alg)
+            )
+
+        return BuiltCall(call, [x], plan.output)
+    assert plan.other is not None
+    battr, uattr = plan.binary, plan.unary
+
+    def call2(xv: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return fix(
+            op.binary(
+                prep(xv),
+                prep(other),
+                packed,
+                bias,
+                padding,
+                stride,
+                dilation,
+                groups,
+                battr,
+                1.0,
+                uattr,
+                [],
+                None,
+            )
+        )
+
+    return BuiltCall(call2, [x, plan.other], plan.output)

@@ -1,0 +1,345 @@
+"""GEMM and convolution epilogues: an anchor (mm, addmm, bmm, convolution) plus the pointwise
+ops that consume its result, lowered for each implementation opfuse can run them with:
+
+- "blocked": generated C that calls the library GEMM one tile at a time (weights packed
+  once at compile time) and applies the epilogue to the tile while it is still in cache;
+- "onednn": PyTorch's oneDNN fused post-ops (mkldnn._linear_pointwise /
+  _convolution_pointwise), when the epilogue is one of the activations (or one binary op,
+  then relu) oneDNN fuses;
+- "unfused": the library call, then the epilogue as its own generated kernel.
+
+Which one runs is decided by timing them on the real shapes (autotune.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..ir.graph import CONSTANT, GETITEM, Graph, Node, TensorMeta, bind
+from ..ir.index import Ix
+from ..ir.ops import Kind, info
+from .kernel import Kernel
+from .lowering import NotFusable, _Lowering, lower_group, lower_on_domain
+
+GEMMS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
+CONV = "aten.convolution.default"
+
+
+@dataclass(frozen=True)
+class Operand:
+    """A GEMM operand as BLAS sees it: row-major with leading dimension `ld`, transposed
+    when its storage holds the transpose."""
+
+    node: Node
+    trans: bool
+    ld: int
+    batch_stride: int = 0
+
+
+@dataclass(frozen=True)
+class GemmSpec:
+    kind: str  # mm | addmm | bmm
+    a: Operand
+    b: Operand
+    bias: Node | None
+    alpha: float
+    beta: float
+    batch: int
+    m: int
+    n: int
+    k: int
+    packable: bool  # B is a frozen float32 constant: pack it once for the library
+
+    @property
+    def flops(self) -> int:
+        return 2 * self.batch * self.m * self.n * self.k
+
+
+def _operand(node: Node, rows: int, cols: int) -> Operand | None:
+    m = node.tensor
+    st = m.stride[-2:]
+    batch = m.stride[0] if m.ndim == 3 else 0
+    if st[1] == 1 and (st[0] >= max(cols, 1) or rows == 1):
+        return Operand(node, False, max(st[0], cols, 1), batch)
+    if st[0] == 1 and (st[1] >= max(rows, 1) or cols == 1):
+        return Operand(node, True, max(st[1], rows, 1), batch)
+    return None
+
+
+def gemm_spec(anchor: Node) -> tuple[GemmSpec | None, str]:
+    """The BLAS view of a matmul node, or why the blocked GEMM cannot run it."""
+    a = bind(anchor)
+    if anchor.op == "aten.addmm.default":
+        x, w, bias = a["mat1"], a["mat2"], a["self"]
+        alpha, beta = float(a.get("alpha", 1)), float(a.get("beta", 1))
+    elif anchor.op == "aten.mm.default":
+        x, w, bias, alpha, beta = a["self"], a["mat2"], None, 1.0, 0.0
+    else:
+        x, w, bias, alpha, beta = a["self"], a["mat2"], None, 1.0, 0.0
+    out = anchor.tensor
+    if (
+        out.dtype != torch.float32
+        or x.tensor.dtype != torch.float32
+        or w.tensor.dtype != torch.float32
+    ):
+        return None, f"the blocked GEMM is float32 only ({out.dtype})"
+    batch = out.shape[0] if anchor.op == "aten.bmm.default" else 1
+    m, n = out.shape[-2], out.shape[-1]
+    k = x.tensor.shape[-1]
+    if out.stride[-1] != 1 or out.stride[-2] != n:
+        return None, "the matmul output is not row-major"
+    ao, bo = _operand(x, m, k), _operand(w, k, n)
+    if ao is None or bo is None:
+        return None, "a matmul input has a layout BLAS cannot read"
+    packable = anchor.op != "aten.bmm.default" and _const_root(w) is not None
+    return GemmSpec(
+        anchor.op.split(".")[1], ao, bo, bias, alpha, beta, batch, m, n, k, packable
+    ), ""
+
+
+def _const_root(n: Node) -> Node | None:
+    while n.op != CONSTANT:
+        if info(n.op).kind != Kind.INJECTIVE or n.op == GETITEM or not n.args:
+            return None
+        n = n.args[0]
+    return n
+
+
+# -- the blocked kernel -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GemmKernel:
+    """GEMM tiles with the epilogue applied to each tile. `epilogue` runs over the GEMM's
+    output domain ([batch,] M, N) with loop variables i0.. kept as they are; its buffer
+    `gemm` holds the GEMM result (scratch the runtime provides)."""
+
+    name: str
+    ops: tuple[str, ...]
+    spec: GemmSpec
+    epilogue: Kernel
+    gemm_buffer: str
+    tile_m: int
+    tile_n: int
+    notes: dict[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def n_tiles(self) -> int:
+        return -(-self.spec.m // self.tile_m) * -(-self.spec.n // self.tile_n)
+
+
+def tiles(spec: GemmSpec, threads: int) -> tuple[int, int]:
+    """Tile sizes: whole rows when there are rows enough for every thread, else split the
+    columns too. Tiles stay big enough for the library to run at full speed."""
+    m, n = spec.m, spec.n
+    tasks_wanted = 2 * threads
+    if spec.batch >= tasks_wanted:
+        return m, n
+    tm = max(32, min(256, -(-m // tasks_wanted)))
+    if -(-m // tm) * spec.batch >= tasks_wanted or n < 128:
+        return min(tm, m), n
+    tn = max(64, -(-n // max(1, tasks_wanted // max(1, -(-m // tm)))))
+    tn = min(n, -(-tn // 16) * 16)
+    return min(tm, m), tn
+
+
+def lower_blocked(graph: Graph, anchor: Node, members: Sequence[Node], threads: int) -> GemmKernel:
+    spec, why = gemm_spec(anchor)
+    if spec is None:
+        raise NotFusable(why)
+    domain = (spec.batch, spec.m, spec.n) if spec.kind == "bmm" else (spec.m, spec.n)
+    epi = [m for m in members if m is not anchor]
+
+    def gemm_value(low: _Lowering, idx: tuple[Ix, ...]) -> Any:
+        v = low._load(anchor, idx)
+        if spec.alpha != 1:
+            v = v * spec.alpha
+        if spec.bias is not None and spec.beta != 0:
+            b = low.value(spec.bias, _broadcast_tail(idx, domain, spec.bias.tensor.shape))
+            v = v + (b * spec.beta if spec.beta != 1 else b)
+        return v
+
+    kernel, low = lower_on_domain(graph, epi or [anchor], domain, {anchor: gemm_value})
+    if not epi:
+        raise NotFusable("no epilogue")
+    gemm_buf = low.in_buffers[anchor].name
+    tm, tn = tiles(spec, threads)
+    return GemmKernel(
+        name=_name(anchor, epi),
+        ops=(anchor.op, *(m.op for m in epi)),
+        spec=spec,
+        epilogue=kernel,
+        gemm_buffer=gemm_buf,
+        tile_m=tm,
+        tile_n=tn,
+    )
+
+
+def _broadcast_tail(
+    idx: tuple[Ix, ...], domain: Sequence[int], shape: Sequence[int]
+) -> tuple[Ix, ...]:
+    lead = len(domain) - len(shape)
+    return tuple(Ix() if shape[k] == 1 else idx[k + lead] for k in range(len(shape)))
+
+
+def _name(anchor: Node, epi: Sequence[Node]) -> str:
+    from .lowering import kernel_name
+
+    return kernel_name([anchor, *epi]).replace("fused_", "fused_", 1)
+
+
+def lower_unfused(graph: Graph, anchor: Node, members: Sequence[Node]) -> Kernel:
+    """The epilogue as a kernel of its own, reading the library call's result."""
+    return lower_group(graph, [m for m in members if m is not anchor])
+
+
+# -- oneDNN post-ops ----------------------------------------------------------------------------
+UNARY = {
+    "aten.relu.default": "relu",
+    "aten.gelu.default": "gelu",
+    "aten.silu.default": "swish",
+    "aten.sigmoid.default": "sigmoid",
+    "aten.tanh.default": "tanh",
+    "aten.hardswish.default": "hardswish",
+    "aten.hardsigmoid.default": "hardsigmoid",
+    "aten.leaky_relu.default": "leaky_relu",
+    "aten.hardtanh.default": "hardtanh",
+    "aten.clamp.default": "hardtanh",
+}
+BINARY = {
+    "aten.add.Tensor": "add",
+    "aten.sub.Tensor": "sub",
+    "aten.mul.Tensor": "mul",
+    "aten.div.Tensor": "div",
+}
+
+
+@dataclass(frozen=True)
+class OneDnnPlan:
+    anchor: Node
+    output: Node  # the value the fused call produces (the last epilogue op)
+    unary: str | None = None
+    scalars: tuple[Any, ...] = ()
+    algorithm: str | None = None
+    binary: str | None = None
+    other: Node | None = None  # the binary op's second operand
+
+
+def _through_views(n: Node, target: Node) -> bool:
+    while n is not target:
+        if info(n.op).kind != Kind.INJECTIVE or n.op == GETITEM or not n.args:
+            return False
+        if not isinstance(n.args[0], Node):
+            return False
+        n = n.args[0]
+    return True
+
+
+def _unary(n: Node, src: Node) -> tuple[str, tuple[Any, ...], str | None] | None:
+    attr = UNARY.get(n.op)
+    if attr is None or not isinstance(n.args[0], Node) or not _through_views(n.args[0], src):
+        if n.op == "aten.mul.Tensor":  # x * sigmoid(x): Swish written out
+            a, b = n.args[0], n.args[1]
+            if (
+                isinstance(a, Node)
+                and isinstance(b, Node)
+                and b.op == "aten.sigmoid.default"
+                and _through_views(a, src)
+                and _through_views(b.args[0], src)
+            ):
+                return "swish", (), None
+        return None
+    a = bind(n)
+    if attr == "gelu":
+        return attr, (), a.get("approximate", "none")
+    if attr == "leaky_relu":
+        return attr, (a.get("negative_slope", 0.01),), None
+    if attr == "hardtanh":
+        lo = a.get("min_val", a.get("min"))
+        hi = a.get("max_val", a.get("max"))
+        if lo is None or hi is None or isinstance(lo, Node) or isinstance(hi, Node):
+            return None
+        return attr, (lo, hi), None
+    return attr, (), None
+
+
+def match_onednn(graph: Graph, anchor: Node, members: Sequence[Node]) -> OneDnnPlan | None:
+    """The epilogue as oneDNN post-ops: one activation; or one binary op with another
+    tensor of the output's shape, optionally followed by relu (convolution only)."""
+    epi = [m for m in members if m is not anchor]
+    if anchor.tensor.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if anchor.op == CONV:
+        if bind(anchor)["transposed"]:
+            return None
+    elif (
+        anchor.op not in ("aten.addmm.default", "aten.mm.default")
+        or _const_root(bind(anchor)["mat2"]) is None
+        or anchor.tensor.ndim != 2
+    ):
+        return None
+    if not epi:
+        return None
+    last = epi[-1]
+    if len(epi) == 1 or (
+        len(epi) == 2 and epi[1].op == "aten.mul.Tensor" and epi[0].op == "aten.sigmoid.default"
+    ):
+        u = _unary(last, anchor)
+        if u is not None:
+            return OneDnnPlan(anchor, last, u[0], u[1], u[2])
+    first = epi[0]
+    attr = BINARY.get(first.op)
+    if attr is None or len(epi) > 2:
+        return None
+    x, other = first.args[0], first.args[1]
+    if not (isinstance(x, Node) and isinstance(other, Node) and _through_views(x, anchor)):
+        return None
+    if other.tensor.numel != anchor.tensor.numel or bind(first).get("alpha", 1) != 1:
+        return None
+    if len(epi) == 2:
+        if anchor.op != CONV or epi[1].op != "aten.relu.default" or epi[1].args[0] is not first:
+            return None
+        return OneDnnPlan(anchor, epi[1], "relu", (), None, attr, other)
+    return OneDnnPlan(anchor, first, None, (), None, attr, other)
+
+
+def epilogue_outputs(graph: Graph, members: Sequence[Node]) -> list[Node]:
+    """Values of the group read outside it."""
+    inside = set(members)
+    out = []
+    for m in members:
+        if m in graph.output_set or any(u not in inside for u in _users_through_views(graph, m)):
+            out.append(m)
+    return out
+
+
+def _users_through_views(graph: Graph, n: Node) -> list[Node]:
+    out: list[Node] = []
+    for u in graph.users[n]:
+        if info(u.op).kind == Kind.INJECTIVE and u.op != GETITEM:
+            out.extend(_users_through_views(graph, u))
+            if u in graph.output_set:
+                out.append(u)
+        else:
+            out.append(u)
+    return out
+
+
+def check_epilogue(graph: Graph, anchor: Node, members: Sequence[Node]) -> None:
+    """Raise NotFusable unless `members` (anchor included) can run as one epilogue group."""
+    epi = [m for m in members if m is not anchor]
+    outs = epilogue_outputs(graph, members)
+    if anchor in outs:
+        raise NotFusable(f"{anchor.op.split('.')[1]} output is also read outside the epilogue")
+    for m in epi:
+        if not info(m.op).pointwise:
+            raise NotFusable(f"{m.op} cannot run in an epilogue")
+    numel = anchor.tensor.numel
+    for o in outs:
+        if not isinstance(o.meta, TensorMeta) or o.tensor.numel != numel:
+            raise NotFusable(
+                f"epilogue output {o.name} is not the size of the {anchor.op.split('.')[1]} output"
+            )
+    lower_group(graph, epi)  # the unfused form must lower: it is the fallback of every group

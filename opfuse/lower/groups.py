@@ -1,0 +1,89 @@
+"""Every group -> the implementations it could run with (candidates), lowered.
+
+elementwise / reduction groups: one generated kernel.
+epilogue groups: "unfused" always (library call + epilogue kernel); "blocked" (GEMM tiles
+with the epilogue in cache) when BLAS can run the matmul; "onednn" when the epilogue is a
+post-op oneDNN fuses. A lone convolution may run as torch's call or as oneDNN with its
+weight prepacked.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..fusion.groups import Group, Partition
+from ..ir.graph import Graph, Node, bind
+from .epilogue import (
+    GemmKernel,
+    OneDnnPlan,
+    _const_root,
+    lower_blocked,
+    lower_unfused,
+    match_onednn,
+)
+from .kernel import Kernel
+from .lowering import NotFusable, lower_group
+
+Candidate = Kernel | GemmKernel | OneDnnPlan | None  # None: run with torch
+
+
+@dataclass
+class Lowered:
+    candidates: dict[int, dict[str, Candidate]] = field(default_factory=dict)
+    notes: dict[int, list[str]] = field(default_factory=dict)  # why a candidate is missing
+
+
+def lower_groups(graph: Graph, part: Partition, threads: int | None = None) -> Lowered:
+    threads = threads or torch.get_num_threads()
+    out = Lowered()
+    for g in part.groups:
+        out.candidates[g.id], out.notes[g.id] = _candidates(graph, g, threads)
+        if not out.candidates[g.id] and g.pattern in ("elementwise", "reduction"):
+            g.pattern, g.reason = "fallback", "; ".join(out.notes[g.id])
+    return out
+
+
+def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candidate], list[str]]:
+    notes: list[str] = []
+    if g.pattern in ("elementwise", "reduction"):
+        try:
+            return {"kernel": lower_group(graph, g.nodes)}, notes
+        except NotFusable as e:  # the partitioner checked this; keep going regardless
+            return {}, [f"could not be lowered: {e}"]
+    if g.pattern in ("gemm_epilogue", "conv_epilogue"):
+        assert g.anchor is not None
+        cands: dict[str, Candidate] = {"unfused": lower_unfused(graph, g.anchor, g.nodes)}
+        if g.pattern == "gemm_epilogue":
+            try:
+                cands["blocked"] = lower_blocked(graph, g.anchor, g.nodes, threads)
+            except NotFusable as e:
+                notes.append(f"blocked GEMM: {e}")
+        plan = match_onednn(graph, g.anchor, g.nodes)
+        if plan is not None and not _constant_weights(graph, g.anchor):
+            notes.append("oneDNN: the weights are not frozen constants")
+            plan = None
+        elif plan is not None:
+            cands["onednn"] = plan
+            if g.pattern == "conv_epilogue":
+                cands["onednn-nhwc"] = plan
+        elif not any("oneDNN" in n for n in notes):
+            notes.append("oneDNN: the epilogue is not a post-op it fuses")
+        return cands, notes
+    a = g.anchor
+    if (
+        g.pattern == "library"
+        and a is not None
+        and a.op == "aten.convolution.default"
+        and a.tensor.dtype in (torch.float32, torch.bfloat16)
+    ):
+        plan = OneDnnPlan(a, a)
+        return {"torch": None, "onednn": plan, "onednn-nhwc": plan}, notes
+    return {}, notes
+
+
+def _constant_weights(graph: Graph, anchor: Node) -> bool:
+    a = bind(anchor)
+    w = a.get("weight", a.get("mat2"))
+    return isinstance(w, Node) and _const_root(w) is not None
