@@ -27,7 +27,9 @@ from .fusion.groups import Group, Partition
 from .ir.graph import CONSTANT, INPUT, Graph, GraphBuilder, Node, TensorMeta
 from .ir.ops import Kind, info
 
-REPS = 5
+REPS = 7  # samples per candidate at least
+MIN_SECONDS = 0.02  # and at least this much time per candidate (short kernels are noisy)
+MAX_REPS = 200
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,8 @@ def random_like(m: TensorMeta, g: torch.Generator) -> torch.Tensor:
 def time_candidates(
     candidates: Mapping[str, Callable[[], Any]], reps: int = REPS
 ) -> dict[str, float]:
-    """Median seconds per candidate, interleaved; a candidate that raises is dropped."""
+    """Median seconds per candidate, interleaved (drift hits all alike), at least `reps`
+    samples and MIN_SECONDS each; a candidate that raises is dropped."""
     alive = dict(candidates)
     samples: dict[str, list[float]] = {k: [] for k in alive}
     with torch.no_grad():
@@ -104,11 +107,15 @@ def time_candidates(
                 alive[k]()
             except Exception:
                 del alive[k]
-        for _ in range(reps):
+        n = 0
+        while alive and n < MAX_REPS:
             for k, fn in alive.items():
                 t0 = time.perf_counter()
                 fn()
                 samples[k].append(time.perf_counter() - t0)
+            n += 1
+            if n >= reps and all(sum(samples[k]) >= MIN_SECONDS for k in alive):
+                break
     return {k: statistics.median(v) for k, v in samples.items() if v}
 
 

@@ -135,7 +135,7 @@ def tune(
             if only is not None:
                 built[g.id] = only
             continue
-        identity = [module.source, g.pattern, *(n.name for n in g.nodes)]
+        identity = [g.pattern, *module.signatures.get(g.id, []), *_io_signature(graph, g)]
         if force in cands:
             d = Decision(force, {}, cached=False)
         else:
@@ -145,6 +145,18 @@ def tune(
         if chosen is not None:
             built[g.id] = chosen
     return built, decisions
+
+
+def _io_signature(graph: Graph, g: Any) -> list[str]:
+    """Shapes, strides and dtypes of what the group reads and of the anchor call."""
+    inside = set(g.nodes)
+    out = []
+    for n in g.nodes:
+        out.append(f"{n.op}:{n.meta}")
+        for i in n.inputs():
+            if i not in inside:
+                out.append(f"in:{i.op}:{i.meta}")
+    return out
 
 
 def _sub_runtime(graph: Graph, part: Partition, built: Any) -> Runtime:

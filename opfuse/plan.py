@@ -138,8 +138,8 @@ class _Planner:
         for b in k.buffers:
             node = self.by_name[b.value]
             if b.role == "in" and b.name == scratch:
-                nbytes = _storage_bytes(node.tensor)
-                args.append(Scratch(nbytes))
+                in_place = any(o.role == "out" and o.value == b.value for o in k.buffers)
+                args.append(Scratch(1 if in_place else _storage_bytes(node.tensor)))
             elif b.role == "in":
                 self.need(node)
                 args.append(In(self.slot[node], node.tensor, node in self.torch_made))

@@ -245,7 +245,7 @@ def conv_bn(draw):  # type: ignore[no-untyped-def]
     transposed = draw(st.booleans())
     k = draw(st.integers(1, 3))
     stride = draw(st.integers(1, 2))
-    padding = draw(st.integers(0, k - 1)) if not transposed else draw(st.integers(0, 1))
+    padding = draw(st.integers(0, k - 1))
     bias = draw(st.booleans())
     affine = draw(st.booleans())
     eps = draw(st.sampled_from([1e-5, 1e-3, 0.1]))

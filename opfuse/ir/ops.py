@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from .index import Ix, delinearize, linearize
-from .scalar import Expr, call, cast, const, where
+from .scalar import Expr, call, cast, const, position, where
 
 
 class Kind(IntEnum):
@@ -52,6 +52,7 @@ class OpInfo:
     kind: Kind
     formula: Callable[..., Any] | None = None
     keep: tuple[str, ...] = ()  # tensor args not cast to the compute dtype
+    positional: bool = False  # the formula reads its element's position (_index=)
     index: Callable[..., tuple[Ix, ...]] | None = None  # views: out index -> input index
     reduction: Reduction | None = None
 
@@ -196,6 +197,11 @@ def elu_backward(
     else:
         neg = grad_output * input_scale * negcoef * exp(x * input_scale)
     return where(x <= 0, neg, grad_output * scale)
+
+
+def arange(start: Any, end: Any, step: Any = 1, *, _index: Any, **_: Any) -> Expr:
+    pos = position(_index[0])
+    return start + pos * step if step != 1 else start + pos
 
 
 def _sub(self: Expr, other: Any, alpha: Any = 1) -> Expr:
@@ -443,6 +449,10 @@ OPS: dict[str, OpInfo] = {
     "aten.zeros_like.default": pw(lambda self, **_: 0, keep=("self",)),
     "aten.ones_like.default": pw(lambda self, **_: 1, keep=("self",)),
     "aten.fill.Scalar": pw(lambda self, value: value, keep=("self",)),
+    "aten.arange.start_step": OpInfo(E, arange, positional=True),
+    "aten.arange.start": OpInfo(E, arange, positional=True),
+    "aten.arange.default": OpInfo(E, lambda end, _index, **kw: arange(0, end, 1, _index=_index),
+                                  positional=True),
     # backward pointwise ops (AOTAutograd)
     "aten.threshold_backward.default": pw(lambda grad_output, self, threshold:
                                           where(self <= threshold, 0, grad_output)),

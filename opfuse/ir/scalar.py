@@ -358,6 +358,11 @@ def call(op: str, *args: Any) -> Expr:
     return binary(op, args[0], args[1])
 
 
+def position(index: Any) -> Expr:
+    """The loop position itself (an Ix), as an int64 value: arange, iota."""
+    return Expr("index", (), torch.int64, index)
+
+
 def load(buffer: str, index: Any, dtype: torch.dtype) -> Expr:
     return Expr("load", (), dtype, (buffer, index))
 

@@ -126,23 +126,42 @@ class GemmKernel:
     notes: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
+    def in_place(self) -> bool:
+        """The GEMM writes its tiles straight into the output (no epilogue but the bias)."""
+        g = next(b for b in self.epilogue.buffers if b.name == self.gemm_buffer)
+        return any(b.role == "out" and b.value == g.value for b in self.epilogue.buffers)
+
+    @property
     def n_tiles(self) -> int:
         return -(-self.spec.m // self.tile_m) * -(-self.spec.n // self.tile_n)
 
 
-def tiles(spec: GemmSpec, threads: int) -> tuple[int, int]:
-    """Tile sizes: whole rows when there are rows enough for every thread, else split the
-    columns too. Tiles stay big enough for the library to run at full speed."""
+TILE_MAX_ELEMENTS = 1 << 19  # 2 MB of float32: a tile and its epilogue stay in L2
+
+
+def tiles(spec: GemmSpec, threads: int, epilogue: bool = True) -> tuple[int, int]:
+    """Tile sizes, measured on MKL's packed GEMM: one tile per thread where that keeps
+    tiles at least 128 rows tall (splitting columns when rows are few: a short, wide tile
+    keeps the library at full speed), then smaller tiles while an epilogue's tile would
+    not fit in cache."""
     m, n = spec.m, spec.n
-    tasks_wanted = 2 * threads
-    if spec.batch >= tasks_wanted:
+    if spec.batch >= threads:
         return m, n
-    tm = max(32, min(256, -(-m // tasks_wanted)))
-    if -(-m // tm) * spec.batch >= tasks_wanted or n < 128:
-        return min(tm, m), n
-    tn = max(64, -(-n // max(1, tasks_wanted // max(1, -(-m // tm)))))
-    tn = min(n, -(-tn // 16) * 16)
-    return min(tm, m), tn
+    if m >= 128 * threads:
+        tm, tn = -(-m // threads), n
+    else:
+        tm = m
+        tn = _round_up(-(-n // threads), 64)
+    if epilogue:
+        while tm * tn > TILE_MAX_ELEMENTS and tm > 128:
+            tm = _round_up(tm // 2, 16)
+        while tm * tn > TILE_MAX_ELEMENTS and tn > 256:
+            tn = _round_up(tn // 2, 64)
+    return min(tm, m), min(tn, n)
+
+
+def _round_up(x: int, k: int) -> int:
+    return -(-x // k) * k
 
 
 def lower_blocked(graph: Graph, anchor: Node, members: Sequence[Node], threads: int) -> GemmKernel:
@@ -161,11 +180,11 @@ def lower_blocked(graph: Graph, anchor: Node, members: Sequence[Node], threads: 
             v = v + (b * spec.beta if spec.beta != 1 else b)
         return v
 
+    # Without an epilogue the GEMM's own result (plus its bias) is the output: the tile is
+    # computed in the output buffer and the bias added in place.
     kernel, low = lower_on_domain(graph, epi or [anchor], domain, {anchor: gemm_value})
-    if not epi:
-        raise NotFusable("no epilogue")
     gemm_buf = low.in_buffers[anchor].name
-    tm, tn = tiles(spec, threads)
+    tm, tn = tiles(spec, threads, epilogue=bool(epi))
     return GemmKernel(
         name=_name(anchor, epi),
         ops=(anchor.op, *(m.op for m in epi)),

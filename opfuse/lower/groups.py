@@ -16,6 +16,7 @@ import torch
 from ..fusion.groups import Group, Partition
 from ..ir.graph import Graph, Node, bind
 from .epilogue import (
+    GEMMS,
     GemmKernel,
     OneDnnPlan,
     _const_root,
@@ -72,6 +73,11 @@ def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candida
             notes.append("oneDNN: the epilogue is not a post-op it fuses")
         return cands, notes
     a = g.anchor
+    if g.pattern == "library" and a is not None and a.op in GEMMS:
+        try:
+            return {"torch": None, "blocked": lower_blocked(graph, a, [a], threads)}, notes
+        except NotFusable as e:
+            return {}, [f"blocked GEMM: {e}"]
     if (
         g.pattern == "library"
         and a is not None

@@ -188,6 +188,8 @@ class _Lowering:
             else:
                 args[name] = v
         assert row.formula is not None
+        if row.positional:
+            args["_index"] = idx
         res = row.formula(**args)
         if not isinstance(res, Expr):
             res = const(res, compute)

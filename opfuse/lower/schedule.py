@@ -33,6 +33,8 @@ def accesses(k: Kernel) -> list[tuple[str, Ix]]:
     for e in walk(roots):
         if e.op == "load":
             out.append(e.value)
+        elif e.op == "index":
+            out.append(("<position>", e.value))
     return out
 
 
@@ -174,6 +176,8 @@ def map_indices(k: Kernel, fix: Callable[[Ix], Ix]) -> Kernel:
         if e.op == "load":
             buf, ix = e.value
             new = Expr("load", (), e.dtype, (buf, fix(ix)))
+        elif e.op == "index":
+            new = Expr("index", (), e.dtype, fix(e.value))
         elif e.args:
             new = Expr(e.op, tuple(expr(a) for a in e.args), e.dtype, e.value)
         else:

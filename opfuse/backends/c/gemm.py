@@ -143,11 +143,17 @@ def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> s
         "  const float *restrict A = (const float *)args[0];",
         "  const float *restrict B = (const float *)args[1];",
     ]
+    out_of = {b.value: i for i, b in enumerate(epi.buffers) if b.role == "out"}
     for i, b in enumerate(epi.buffers):
         t = CTYPE[b.dtype]
+        if b.name == k.gemm_buffer and k.in_place:
+            # the tiles are computed in the output itself; bias is added in place
+            lines.append(f"  {t} *{b.name} = ({t} *)args[{out_of[b.value] + 2}];")
+            continue
         writable = b.role == "out" or b.name == k.gemm_buffer
         const = "" if writable else "const "
-        lines.append(f"  {const}{t} *restrict {b.name} = ({const}{t} *)args[{i + 2}];")
+        restrict = "" if k.in_place and b.role == "out" else "restrict "
+        lines.append(f"  {const}{t} *{restrict}{b.name} = ({const}{t} *)args[{i + 2}];")
     fn_arg = len(epi.buffers) + 2
     if packed_offsets is not None:
         lines.append(

@@ -22,6 +22,9 @@ from .render import render_module
 class Module:
     source: str
     candidates: dict[int, dict[str, Built | None]] = field(default_factory=dict)
+    # What each candidate computes, independent of names: groups with equal signatures
+    # (the layers of a Transformer) share one timing decision.
+    signatures: dict[int, list[str]] = field(default_factory=dict)
     cached: bool = True
     problem: str = ""  # why nothing was built (the compiler failed)
 
@@ -47,9 +50,19 @@ def build_module(graph: Graph, lowered: Lowered) -> Module:
                 names[(gid, cname)] = name
                 gemms.append((name, c, offsets))
     source = render_module(kernels)
+    rendered = {name: render_module([(name, k)]) for name, k in kernels}
+    for n, k, o in gemms:
+        rendered[n] = render_gemm(n, k, o)
     if gemms:
-        source = GEMM_TYPES + source + "\n".join(render_gemm(n, k, o) for n, k, o in gemms)
+        source = GEMM_TYPES + source + "\n".join(rendered[n] for n, _, _ in gemms)
     mod = Module(source)
+    for gid, cands in lowered.candidates.items():
+        sig = []
+        for cname, c in sorted(cands.items()):
+            kname = names.get((gid, cname))
+            text = rendered[kname].replace(kname, "KERNEL") if kname else _describe(c)
+            sig.append(f"{cname}:{text}")
+        mod.signatures[gid] = sig
     lib = None
     if kernels or gemms:
         try:
@@ -220,3 +233,13 @@ def _conv_call(graph: Graph, plan: OneDnnPlan, channels_last: bool) -> BuiltCall
         )
 
     return BuiltCall(call2, [x, plan.other], plan.output)
+
+
+def _describe(c: object) -> str:
+    """A name-free description of a library candidate (oneDNN call or torch op)."""
+    if isinstance(c, OneDnnPlan):
+        nodes = [c.anchor, c.output] + ([c.other] if c.other is not None else [])
+        metas = [(n.op, n.meta) for n in nodes]
+        args = {k: (v.meta if isinstance(v, Node) else v) for k, v in bind(c.anchor).items()}
+        return f"{metas} {args} {c.unary} {c.scalars} {c.algorithm} {c.binary}"
+    return repr(c)

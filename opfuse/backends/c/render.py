@@ -135,6 +135,8 @@ class Emitter:
         if e.op == "acc":
             name, part = e.value
             return f"{name}_{part}"
+        if e.op == "index":
+            return f"((int64_t)({index(e.value)}))"
         if e.op == "cast":
             return convert(self.ref(e.args[0]), e.args[0].dtype, e.dtype)
         prim = PRIMS[e.op]
