@@ -120,10 +120,30 @@ class Ix:
 
     __rmul__ = __mul__
 
+    def _factor(self, d: int) -> tuple[int, Ix, Ix] | None:
+        """self == c*q + r with c dividing d and 0 <= r < c: then self // d == q // (d/c)
+        and self % d == c*(q % (d/c)) + r. Finds the split a reshape produces, e.g.
+        (3072*i + j) // (512*3072) == i // 512 for 0 <= j < 3072."""
+        import math
+
+        for _, coef in self.terms:
+            c = math.gcd(d, abs(coef))
+            if c <= 1 or c == d:
+                continue
+            q, r = self._split(c)
+            lo, hi = r.bounds()
+            if lo >= 0 and hi < c:
+                return c, q, r
+        return None
+
     def __floordiv__(self, d: int) -> Ix:
         assert d > 0
         if d == 1:
             return self
+        f = self._factor(d)
+        if f is not None:
+            c, q, _ = f
+            return q // (d // c)
         q, r = self._split(d)
         lo, hi = r.bounds()
         if lo >= 0 and hi < d:
@@ -138,6 +158,10 @@ class Ix:
         assert d > 0
         if d == 1:
             return Ix()
+        f = self._factor(d)
+        if f is not None:
+            c, q, rest = f
+            return (q % (d // c)) * c + rest
         _, r = self._split(d)
         lo, hi = r.bounds()
         if lo >= 0 and hi < d:

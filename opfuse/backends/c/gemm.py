@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ...lower.epilogue import GemmKernel
-from .render import CTYPE, Emitter, _stores
+from .render import STORAGE, Emitter, _stores
 
 ROW_MAJOR, NO_TRANS, TRANS, PACKED, B_MATRIX = 101, 111, 112, 151, 162
 
@@ -145,7 +145,7 @@ def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> s
     ]
     out_of = {b.value: i for i, b in enumerate(epi.buffers) if b.role == "out"}
     for i, b in enumerate(epi.buffers):
-        t = CTYPE[b.dtype]
+        t = STORAGE[b.dtype]
         if b.name == k.gemm_buffer and k.in_place:
             # the tiles are computed in the output itself; bias is added in place
             lines.append(f"  {t} *{b.name} = ({t} *)args[{out_of[b.value] + 2}];")

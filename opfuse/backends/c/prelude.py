@@ -5,7 +5,7 @@ combine helpers. Everything is `static inline`, so unused helpers cost nothing."
 from __future__ import annotations
 
 _FLOAT_TYPES = ("float", "double")
-_INT_TYPES = ("int8_t", "int16_t", "int32_t", "int64_t", "uint8_t", "bool")
+_INT_TYPES = ("int8_t", "int16_t", "int32_t", "int64_t", "uint8_t", "int", "bool")
 _SIGNED = ("int8_t", "int16_t", "int32_t", "int64_t")
 
 # Vector variants of libm functions exist in glibc's libmvec; declaring them lets
@@ -66,6 +66,39 @@ static inline bf16_t f32_to_bf16(float f) {  /* round to nearest even, as torch 
   u += 0x7fffu + ((u >> 16) & 1u);
   return (bf16_t)(u >> 16);
 }
+"""
+
+_EXP = r"""
+/* exp without slow paths. glibc's vector expf calls the scalar one for every lane below
+   about -87 (masked attention scores are -inf), and subnormal arithmetic is slow on x86;
+   this one is branch-free: Cody-Waite reduction, the Cephes polynomial (<= 1 ulp), the
+   exponent built as bits, subnormal results built as integers. NaN and +-Inf propagate. */
+static inline float op_bits_float(int32_t b) { float f; memcpy(&f, &b, 4); return f; }
+static inline float op_exp_float(float x) {
+  const float hi = 88.72283935546875f, lo = -103.972084045410f;
+  const float xc = x > hi ? hi : (x < lo ? lo : x);
+  const float n = nearbyintf(xc * 1.44269504088896341f);
+  float r = xc - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500E-4f;
+  p = p * r + 1.3981999507E-3f;
+  p = p * r + 8.3334519073E-3f;
+  p = p * r + 4.1665795894E-2f;
+  p = p * r + 1.6666665459E-1f;
+  p = p * r + 5.0000001201E-1f;
+  const float e = p * r * r + r + 1.0f;
+  const int32_t ni = (int32_t)n;
+  const int32_t nn = ni < -126 ? -126 : ni;
+  const int32_t n1 = nn >> 1, n2 = nn - n1;
+  const float normal = (e * op_bits_float((n1 + 127) << 23)) * op_bits_float((n2 + 127) << 23);
+  const int32_t k = ni + 149 > 23 ? 23 : ni + 149;
+  const float sub = op_bits_float((int32_t)nearbyintf(e * op_bits_float((k + 127) << 23)));
+  float res = ni < -126 ? sub : normal;
+  res = x > hi ? INFINITY : res;
+  res = x < lo ? 0.0f : res;
+  return x != x ? x : res;
+}
+static inline double op_exp_double(double x) { return exp(x); }
 """
 
 _FLOAT_HELPERS = r"""
@@ -174,7 +207,7 @@ def _instantiate(template: str, t: str) -> str:
 
 
 def build_prelude(mvec: tuple[str, ...]) -> str:
-    parts = [_HEAD, "#define OPFUSE_MAX_THREADS 1024\n", simd_declarations(mvec)]
+    parts = [_HEAD, "#define OPFUSE_MAX_THREADS 1024\n", simd_declarations(mvec), _EXP]
     parts += [_instantiate(_FLOAT_HELPERS, t) for t in _FLOAT_TYPES]
     parts += [_instantiate(_INT_HELPERS, t) for t in _INT_TYPES]
     parts += [

@@ -36,6 +36,10 @@ _INT_LIMITS = {
     torch.uint8: ("0", "UINT8_MAX"),
     torch.bool: ("0", "1"),
 }
+# Booleans are stored as bytes (torch's layout) and held as int: gcc vectorises loops that
+# mix 1-byte _Bool with float badly (it picks 8-byte vectors), and an int 0/1 is a _Bool.
+STORAGE = {**CTYPE, torch.bool: "uint8_t"}
+VALUE = {**CTYPE, torch.bool: "int"}
 LANES = 16  # accumulator lanes per reduction: one 512-bit register of float32
 COLUMN_LANES = 64  # outputs per block in the columns schedule: 4 cache lines of float32
 PARALLEL_MIN = 1 << 15  # fewer elements than this run on one thread
@@ -118,7 +122,7 @@ class Emitter:
                 continue
             self.counter[0] += 1
             name = f"t{self.counter[0]}"
-            lines.append(f"{indent}const {CTYPE[e.dtype]} {name} = {text};")
+            lines.append(f"{indent}const {VALUE[e.dtype]} {name} = {text};")
             self.scopes[-1][e] = name
 
     def ref(self, e: Expr) -> str:
@@ -168,7 +172,7 @@ def render_kernel(name: str, k: Kernel) -> str:
     lines = _header(name, k)
     for i, b in enumerate(k.buffers):
         const = "const " if b.role == "in" else ""
-        t = CTYPE[b.dtype]
+        t = STORAGE[b.dtype]
         lines.append(f"  {const}{t} *restrict {b.name} = ({const}{t} *)args[{i}];")
     lines.append("  int err = 0;")
     lines.append("  (void)nthreads;")
@@ -221,6 +225,9 @@ def _pointwise(k: Kernel, lines: list[str]) -> None:
     indent = "  "
     for i, v in enumerate(k.outer):
         if i == len(k.outer) - 1 and len(k.outer) > 1:
+            # what the vector loop does not change is computed before it
+            em.scopes.append({})
+            em.emit(_invariant([s.value for s in p.stores], [v]), lines, indent)
             lines.append(f"{indent}#pragma omp simd{red}")
         lines.append(_loop(v, indent))
         indent += "  "
@@ -238,7 +245,7 @@ def _pointwise(k: Kernel, lines: list[str]) -> None:
 def _lane_fields(a: Accumulate) -> list[tuple[str, str, str]]:
     """(suffix, C type, initial value) of each lane array."""
     t = a.acc_dtype
-    ct = CTYPE[t]
+    ct = VALUE[t]
     if a.combine == "sum" or a.combine == "any":
         return [("", ct, "0")]
     if a.combine == "prod" or a.combine == "all":
@@ -258,7 +265,7 @@ def _lane_fields(a: Accumulate) -> list[tuple[str, str, str]]:
 
 def _results(a: Accumulate) -> list[tuple[str, str]]:
     """(part, C type) of the combined results."""
-    ct = CTYPE[a.acc_dtype]
+    ct = VALUE[a.acc_dtype]
     if a.combine in ("argmax", "argmin"):
         return [("value", ct), ("index", "int64_t")]
     if a.combine == "welford":
@@ -283,14 +290,14 @@ def _declare_lanes(
         body = " ".join(f"{a.name}_L{s}[l] = {v};" for s, _, v in fields)
         lines.append(f"{indent}for (int l = 0; l < {lanes}; l++) {{ {body} }}")
         if a.combine == "welford":
-            t = CTYPE[a.acc_dtype]
+            t = VALUE[a.acc_dtype]
             lines.append(f"{indent}{t} {a.name}_n = 0;  /* elements in each lane so far */")
             lines.append(f"{indent}{t} {a.name}_tmean = 0, {a.name}_tm2 = 0, {a.name}_tn = 0;")
 
 
 def _update(a: Accumulate, v: str, lane: str, pos: str, indent: str, tail: bool) -> list[str]:
     n = f"{a.name}_L"
-    t = CTYPE[a.acc_dtype]
+    t = VALUE[a.acc_dtype]
     if a.combine in ("sum", "prod", "any", "all"):
         op = {"sum": "+", "prod": "*", "any": "|", "all": "&"}[a.combine]
         return [f"{indent}{n}[{lane}] {op}= {v};"]
@@ -321,7 +328,7 @@ def _update(a: Accumulate, v: str, lane: str, pos: str, indent: str, tail: bool)
 
 def _merge_step(a: Accumulate, src: str, idx: str) -> str:
     """Fold element `idx` of the arrays named `src`+suffix into the NAME_ results."""
-    n, t = a.name, CTYPE[a.acc_dtype]
+    n, t = a.name, VALUE[a.acc_dtype]
     if a.combine in ("sum", "prod", "any", "all"):
         op = {"sum": "+", "prod": "*", "any": "|", "all": "&"}[a.combine]
         return f"{n}_value = {n}_value {op} {src}[{idx}];"
@@ -342,10 +349,12 @@ def _merge_step(a: Accumulate, src: str, idx: str) -> str:
     )
 
 
-def _combine_lanes(a: Accumulate, lines: list[str], indent: str) -> None:
+def _combine_lanes(a: Accumulate, lines: list[str], indent: str, clause: bool = False) -> None:
+    if clause:
+        return  # the pass's reduction clause already combined it into NAME_value
     n = a.name
     if a.combine == "welford":
-        t = CTYPE[a.acc_dtype]
+        t = VALUE[a.acc_dtype]
         lines.append(f"{indent}{t} {n}_cnt = {n}_tn, {n}_mean = {n}_tmean, {n}_m2 = {n}_tm2;")
         lines.append(f"{indent}{t} {n}_Lcnt[{LANES}];")
         lines.append(f"{indent}for (int l = 0; l < {LANES}; l++) {n}_Lcnt[l] = {n}_n;")
@@ -365,6 +374,15 @@ def _combine_lanes(a: Accumulate, lines: list[str], indent: str) -> None:
     lines.append(f"{indent}for (int l = 0; l < {LANES}; l++) {_merge_step(a, n + '_L', 'l')}")
 
 
+# Combines OpenMP reduces itself: the compiler then picks the vector width. Welford and
+# argmax/argmin need their own lanes (explicit arrays, see _pass_body).
+OMP_REDUCTION = {"sum": "+", "prod": "*", "max": "max", "min": "min", "any": "|", "all": "&"}
+
+
+def _simple(accs: Sequence[Accumulate]) -> bool:
+    return all(a.combine in OMP_REDUCTION for a in accs)
+
+
 def _pass_body(
     em: Emitter,
     p: Pass,
@@ -374,16 +392,15 @@ def _pass_body(
     split: bool,
     number: int = 0,
 ) -> None:
-    """Loops over the inner domain of one pass; the last inner variable is walked in lanes.
-    In the split schedule the first inner variable runs over this thread's [lo, hi)."""
+    """Loops over the inner domain of one pass; the last inner variable is the vector
+    loop. In the split schedule the first inner variable runs over this thread's [lo, hi)."""
     accs = p.accumulates
+    if accs and _simple(accs):
+        _reduction_clause_pass(em, p, inner, lines, indent, split)
+        return
     _declare_lanes(accs, lines, indent)
     # Values that read no memory (reduced results, constants) are computed once per row.
-    invariant = [
-        e
-        for e in walk([*(a.value for a in accs), *(s.value for s in p.stores)])
-        if e.op != "const" and not _reads_memory(e)
-    ]
+    invariant = _invariant([*(a.value for a in accs), *(s.value for s in p.stores)], inner)
     em.emit(invariant, lines, indent)
     ind = indent
     for i, v in enumerate(inner[:-1]):
@@ -407,7 +424,7 @@ def _pass_body(
         lines.append(f"{ind}for (; {b} + {LANES} <= {stop}; {b} += {LANES}) {{")
         for a in accs:
             if a.combine == "welford":
-                t = CTYPE[a.acc_dtype]
+                t = VALUE[a.acc_dtype]
                 lines.append(f"{ind}  {a.name}_n += 1; const {t} {a.name}_inv = 1 / {a.name}_n;")
         lines.append(f"{ind}  #pragma omp simd")
         lines.append(f"{ind}  for (int l = 0; l < {LANES}; l++) {{")
@@ -429,6 +446,57 @@ def _pass_body(
         lines.append(f"{ind}}}")
 
 
+def _reduction_clause_pass(
+    em: Emitter, p: Pass, inner: Sequence[Var], lines: list[str], indent: str, split: bool
+) -> None:
+    """A pass whose reductions OpenMP combines: `#pragma omp simd reduction(...)` over
+    the whole row. Float max/min also OR a NaN flag (OpenMP's max drops NaN)."""
+    clauses = []
+    for a in p.accumulates:
+        t = VALUE[a.acc_dtype]
+        init = _lane_fields(a)[0][2]
+        lines.append(f"{indent}{t} {a.name}_value = {init};")
+        clauses.append(f"reduction({OMP_REDUCTION[a.combine]}:{a.name}_value)")
+        if a.combine in ("max", "min") and a.acc_dtype.is_floating_point:
+            lines.append(f"{indent}int {a.name}_nan = 0;")
+            clauses.append(f"reduction(|:{a.name}_nan)")
+    invariant = _invariant([*(a.value for a in p.accumulates), *(s.value for s in p.stores)], inner)
+    em.emit(invariant, lines, indent)
+    ind = indent
+    for i, v in enumerate(inner[:-1]):
+        lo, hi = ("lo", "hi") if split and i == 0 else ("0", str(v.extent))
+        lines.append(f"{ind}for (int64_t {v.name} = {lo}; {v.name} < {hi}; {v.name}++) {{")
+        ind += "  "
+    last = inner[-1]
+    start, stop = ("lo", "hi") if split and len(inner) == 1 else ("0", str(last.extent))
+    lines.append(f"{ind}#pragma omp simd {' '.join(clauses)}")
+    lines.append(
+        f"{ind}for (int64_t {last.name} = {start}; {last.name} < {stop}; {last.name}++) {{"
+    )
+    em.scopes.append({})
+    body = ind + "  "
+    em.emit([a.value for a in p.accumulates], lines, body)
+    for a in p.accumulates:
+        val, n = em.ref(a.value), f"{a.name}_value"
+        if a.combine in ("max", "min"):
+            cmp = ">" if a.combine == "max" else "<"
+            if a.acc_dtype.is_floating_point:
+                lines.append(f"{body}{a.name}_nan |= ({val} != {val});")
+            lines.append(f"{body}{n} = ({n} {cmp} {val}) ? {n} : {val};")
+        else:
+            lines.append(f"{body}{n} {OMP_REDUCTION[a.combine]}= {val};")
+    _stores(em, p.stores, lines, body)
+    em.scopes.pop()
+    lines.append(f"{ind}}}")
+    for _ in inner[:-1]:
+        ind = ind[:-2]
+        lines.append(f"{ind}}}")
+    for a in p.accumulates:
+        if a.combine in ("max", "min") and a.acc_dtype.is_floating_point:
+            t = VALUE[a.acc_dtype]
+            lines.append(f"{indent}if ({a.name}_nan) {a.name}_value = ({t})NAN;")
+
+
 def _accumulate(em: Emitter, p: Pass, lines: list[str], ind: str, lane: str, tail: bool) -> None:
     em.emit([a.value for a in p.accumulates], lines, ind)
     for a in p.accumulates:
@@ -437,8 +505,34 @@ def _accumulate(em: Emitter, p: Pass, lines: list[str], ind: str, lane: str, tai
     _stores(em, p.stores, lines, ind)
 
 
-def _reads_memory(e: Expr) -> bool:
-    return any(s.op == "load" for s in walk([e]))
+def _vars(e: Expr) -> set[str]:
+    """Loop variables an expression depends on (through its loads and positions)."""
+    out: set[str] = set()
+    for s in walk([e]):
+        if s.op == "load":
+            out |= {v.name for v in s.value[1].variables()}
+        elif s.op == "index":
+            out |= {v.name for v in s.value.variables()}
+    return out
+
+
+def _invariant(roots: Sequence[Expr], loops: Sequence[Var]) -> list[Expr]:
+    """Subexpressions that do not change inside `loops`: computed once, before them
+    (a scalar load in a vector loop can otherwise keep gcc from vectorising it)."""
+    names = {v.name for v in loops}
+    memo: dict[Expr, bool] = {}
+    out = []
+    for e in walk(list(roots)):
+        if e.op == "const":
+            continue
+        if e.args:
+            varying = any(memo.get(a, False) for a in e.args)
+        else:
+            varying = bool(_vars(e) & names)
+        memo[e] = varying
+        if not varying:
+            out.append(e)
+    return out
 
 
 def _publish(em: Emitter, a: Accumulate) -> None:
@@ -469,7 +563,7 @@ def _rows(k: Kernel, lines: list[str]) -> None:
     for number, p in enumerate(k.passes):
         _pass_body(em, p, k.inner, lines, indent, split=False, number=number)
         for a in p.accumulates:
-            _combine_lanes(a, lines, indent)
+            _combine_lanes(a, lines, indent, clause=_simple(p.accumulates))
             _publish(em, a)
         _stores(em, p.after, lines, indent)
     for _ in k.outer:
@@ -503,7 +597,7 @@ def _split(k: Kernel, lines: list[str]) -> None:
     for number, p in enumerate(k.passes):
         _pass_body(em, p, k.inner, lines, indent, split=True, number=number)
         for a in p.accumulates:
-            _combine_lanes(a, lines, indent)
+            _combine_lanes(a, lines, indent, clause=_simple(p.accumulates))
             for part, _ in _results(a):
                 lines.append(f"{indent}{a.name}_P{_suffix(a, part)}[tid] = {a.name}_{part};")
         if p.accumulates:
@@ -569,7 +663,7 @@ def _columns(k: Kernel, lines: list[str]) -> None:
             ind += "  "
         for a in p.accumulates:
             if a.combine == "welford":
-                t = CTYPE[a.acc_dtype]
+                t = VALUE[a.acc_dtype]
                 lines.append(f"{ind}{a.name}_n += 1; const {t} {a.name}_inv = 1 / {a.name}_n;")
         lines.append(f"{ind}#pragma omp simd")
         lines.append(f"{ind}for (int l = 0; l < nl; l++) {{")
