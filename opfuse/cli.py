@@ -38,7 +38,14 @@ def demo(args: argparse.Namespace) -> int:
 def bench(args: argparse.Namespace) -> int:
     from opfuse.bench.run import main
 
-    return main(quick=args.quick, reps=args.reps, out=args.out, only=args.only)
+    return main(
+        quick=args.quick,
+        reps=args.reps,
+        out=args.out,
+        only=args.only,
+        training=not args.no_training,
+        memory=not args.no_memory,
+    )
 
 
 def explain(args: argparse.Namespace) -> int:
@@ -59,6 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--reps", type=int, default=15)
     b.add_argument("--out", help="directory for results.md / results.json / plots")
     b.add_argument("--only", help="run the cases whose name contains this (or a group)")
+    b.add_argument("--no-training", action="store_true", help="skip the training steps")
+    b.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     b.set_defaults(fn=bench)
     e = sub.add_parser("explain", help="what fused, what did not, and why")
     e.add_argument("target", help="MODULE:FACTORY (module name or path to a .py file)")

@@ -65,6 +65,9 @@ class Accumulate:
     value: Expr
     acc_dtype: torch.dtype
     position: Ix | None = None  # argmax/argmin: row-major position within the reduction
+    # welford only: "two_pass" reads a row twice (mean, then squared deviations): as
+    # stable, and faster when the row stays in cache; "welford" reads it once.
+    algorithm: str = "welford"
 
 
 @dataclass(frozen=True)

@@ -95,6 +95,7 @@ class _Lowering:
         self.acc_results: dict[Node, tuple[Expr, ...]] = {}
         self.checks: list[Expr] = []
         self.recomputed: set[Node] = set()
+        self.out_buffers: list[Buffer] = []
         # the domain, set by run(): full shape, reduced dims, loop variables and index
         self.full_shape: tuple[int, ...] = ()
         self.dims: tuple[int, ...] = ()
@@ -320,6 +321,7 @@ class _Lowering:
                 )
             buf = Buffer(f"out{k}", m.dtype, "out", o.name, m.shape, m.stride)
             out_buffers.append(buf)
+            self.out_buffers.append(buf)
             roots.append((buf, idx, cast(self.value(o, idx), m.dtype), guard))
         domain = math.prod(self.full_shape)
         extra = sum(domain - n.tensor.numel for n in self.recomputed)
@@ -415,14 +417,90 @@ class _Lowering:
             else:
                 after.setdefault(max(d, 0), []).append(st)
         n_passes = 1 + max([*stage.values(), *inner, *after, 0])
-        return tuple(
+        passes = [
             Pass(
                 tuple(a for a in self.accumulates.values() if stage[a.name] == p),
                 tuple(inner.get(p, ())),
                 tuple(after.get(p, ())),
             )
             for p in range(n_passes)
-        )
+        ]
+        return tuple(_reuse_across_passes(passes, {b.name: b for b in self.out_buffers}))
+
+
+# Ops worth storing once rather than computing again in a later pass.
+_COSTLY = frozenset(
+    {
+        "exp",
+        "exp2",
+        "expm1",
+        "log",
+        "log1p",
+        "log2",
+        "log10",
+        "tanh",
+        "sigmoid",
+        "erf",
+        "erfc",
+        "pow",
+        "sin",
+        "cos",
+        "tan",
+        "atan",
+        "sinh",
+        "cosh",
+        "div",
+    }
+)
+
+
+def _reuse_across_passes(passes: list[Pass], outs: dict[str, Buffer]) -> list[Pass]:
+    """softmax's exp(x - max) is computed for the sum in one pass and again for the output
+    in the next. Store it in the output during the first (same dtype: no rounding), and
+    read it back in the second: the costly part runs once."""
+    for q in range(1, len(passes)):
+        prev, cur = passes[q - 1], passes[q]
+        if not prev.accumulates:
+            continue
+        shared = set(walk([a.value for a in prev.accumulates]))
+        early: list[Store] = []
+        stores: list[Store] = []
+        for st in cur.stores:
+            buf = outs.get(st.buffer)
+            pick = None
+            if buf is not None and st.guard is None:
+                for e in walk([st.value]):
+                    if (
+                        e in shared
+                        and e.dtype == buf.dtype
+                        and any(x.op in _COSTLY for x in walk([e]))
+                    ):
+                        pick = e  # walk is bottom-up: the last match is the largest
+            if pick is None or buf is None:
+                stores.append(st)
+                continue
+            early.append(Store(st.buffer, st.index, pick))
+            reread = Expr("load", (), buf.dtype, (st.buffer, st.index))
+            stores.append(Store(st.buffer, st.index, _substitute(st.value, pick, reread)))
+        if early:
+            passes[q - 1] = Pass(prev.accumulates, (*prev.stores, *early), prev.after)
+            passes[q] = Pass(cur.accumulates, tuple(stores), cur.after)
+    return passes
+
+
+def _substitute(e: Expr, old: Expr, new: Expr) -> Expr:
+    memo: dict[Expr, Expr] = {}
+
+    def go(x: Expr) -> Expr:
+        if x is old:
+            return new
+        hit = memo.get(x)
+        if hit is None:
+            hit = Expr(x.op, tuple(go(a) for a in x.args), x.dtype, x.value) if x.args else x
+            memo[x] = hit
+        return hit
+
+    return go(e)
 
 
 def _broadcasts_to(shape: Sequence[int], domain: Sequence[int], same_rank: bool) -> bool:

@@ -75,7 +75,31 @@ def finalize(k: Kernel) -> Kernel:
         return rewrite_ix(ix, rename)
 
     k2 = replace(map_indices(k, fix), outer=tuple(new_outer), inner=tuple(new_inner))
-    return replace(k2, schedule=_choose(k2))
+    k2 = replace(k2, schedule=_choose(k2))
+    return _variance_algorithm(k2)
+
+
+# Rows up to this many bytes of float64 are read twice for a variance (mean, then squared
+# deviations) instead of with Welford's recurrence: from cache the second read is cheap,
+# and the two simple sums vectorise better than Welford's dependent updates.
+TWO_PASS_MAX_BYTES = 64 * 1024
+
+
+def _variance_algorithm(k: Kernel) -> Kernel:
+    if k.schedule != "rows" or k.inner_size * 8 > TWO_PASS_MAX_BYTES:
+        return k
+    passes = []
+    for p in k.passes:
+        accs = p.accumulates
+        simple = all(
+            a.combine in ("sum", "prod", "max", "min", "any", "all", "welford") for a in accs
+        )
+        if simple and any(a.combine == "welford" for a in accs):
+            accs = tuple(
+                replace(a, algorithm="two_pass") if a.combine == "welford" else a for a in accs
+            )
+        passes.append(replace(p, accumulates=accs))
+    return replace(k, passes=tuple(passes))
 
 
 def _choose(k: Kernel) -> str:
@@ -196,6 +220,7 @@ def map_indices(k: Kernel, fix: Callable[[Ix], Ix]) -> Kernel:
                         expr(a.value),
                         a.acc_dtype,
                         fix(a.position) if a.position is not None else None,
+                        a.algorithm,
                     )
                     for a in p.accumulates
                 ),

@@ -9,6 +9,7 @@ integer division by zero happened (torch raises ZeroDivisionError there).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
@@ -41,6 +42,15 @@ _INT_LIMITS = {
 STORAGE = {**CTYPE, torch.bool: "uint8_t"}
 VALUE = {**CTYPE, torch.bool: "int"}
 LANES = 16  # accumulator lanes per reduction: one 512-bit register of float32
+# Welford's updates depend on the previous ones: 64 lanes (8 registers of float64 for the
+# mean, 8 for m2) keep enough independent chains in flight to hide the latency.
+WELFORD_LANES = 64
+
+
+def lanes_for(accs: Sequence[Accumulate]) -> int:
+    return WELFORD_LANES if any(a.combine == "welford" for a in accs) else LANES
+
+
 COLUMN_LANES = 64  # outputs per block in the columns schedule: 4 cache lines of float32
 PARALLEL_MIN = 1 << 15  # fewer elements than this run on one thread
 
@@ -349,16 +359,18 @@ def _merge_step(a: Accumulate, src: str, idx: str) -> str:
     )
 
 
-def _combine_lanes(a: Accumulate, lines: list[str], indent: str, clause: bool = False) -> None:
+def _combine_lanes(
+    a: Accumulate, lines: list[str], indent: str, clause: bool = False, lanes: int = LANES
+) -> None:
     if clause:
         return  # the pass's reduction clause already combined it into NAME_value
     n = a.name
     if a.combine == "welford":
         t = VALUE[a.acc_dtype]
         lines.append(f"{indent}{t} {n}_cnt = {n}_tn, {n}_mean = {n}_tmean, {n}_m2 = {n}_tm2;")
-        lines.append(f"{indent}{t} {n}_Lcnt[{LANES}];")
-        lines.append(f"{indent}for (int l = 0; l < {LANES}; l++) {n}_Lcnt[l] = {n}_n;")
-        lines.append(f"{indent}for (int l = 0; l < {LANES}; l++) {_merge_step(a, n + '_L', 'l')}")
+        lines.append(f"{indent}{t} {n}_Lcnt[{lanes}];")
+        lines.append(f"{indent}for (int l = 0; l < {lanes}; l++) {n}_Lcnt[l] = {n}_n;")
+        lines.append(f"{indent}for (int l = 0; l < {lanes}; l++) {_merge_step(a, n + '_L', 'l')}")
         return
     init = _lane_fields(a)
     decl = ", ".join(
@@ -371,7 +383,7 @@ def _combine_lanes(a: Accumulate, lines: list[str], indent: str, clause: bool = 
         for (part, t), text in zip(_results(a), decl.split(", ")):
             lines.append(f"{indent}{t} {text};")
             del part
-    lines.append(f"{indent}for (int l = 0; l < {LANES}; l++) {_merge_step(a, n + '_L', 'l')}")
+    lines.append(f"{indent}for (int l = 0; l < {lanes}; l++) {_merge_step(a, n + '_L', 'l')}")
 
 
 # Combines OpenMP reduces itself: the compiler then picks the vector width. Welford and
@@ -380,7 +392,11 @@ OMP_REDUCTION = {"sum": "+", "prod": "*", "max": "max", "min": "min", "any": "|"
 
 
 def _simple(accs: Sequence[Accumulate]) -> bool:
-    return all(a.combine in OMP_REDUCTION for a in accs)
+    """Can OpenMP's reduction clauses do this pass (two-pass variances included)?"""
+    return all(
+        a.combine in OMP_REDUCTION or (a.combine == "welford" and a.algorithm == "two_pass")
+        for a in accs
+    )
 
 
 def _pass_body(
@@ -398,7 +414,8 @@ def _pass_body(
     if accs and _simple(accs):
         _reduction_clause_pass(em, p, inner, lines, indent, split)
         return
-    _declare_lanes(accs, lines, indent)
+    lanes = lanes_for(accs)
+    _declare_lanes(accs, lines, indent, lanes)
     # Values that read no memory (reduced results, constants) are computed once per row.
     invariant = _invariant([*(a.value for a in accs), *(s.value for s in p.stores)], inner)
     em.emit(invariant, lines, indent)
@@ -421,13 +438,13 @@ def _pass_body(
     else:
         b = f"{last.name}_b{number}"
         lines.append(f"{ind}int64_t {b} = {start};")
-        lines.append(f"{ind}for (; {b} + {LANES} <= {stop}; {b} += {LANES}) {{")
+        lines.append(f"{ind}for (; {b} + {lanes} <= {stop}; {b} += {lanes}) {{")
         for a in accs:
             if a.combine == "welford":
                 t = VALUE[a.acc_dtype]
                 lines.append(f"{ind}  {a.name}_n += 1; const {t} {a.name}_inv = 1 / {a.name}_n;")
         lines.append(f"{ind}  #pragma omp simd")
-        lines.append(f"{ind}  for (int l = 0; l < {LANES}; l++) {{")
+        lines.append(f"{ind}  for (int l = 0; l < {lanes}; l++) {{")
         lines.append(f"{ind}    const int64_t {last.name} = {b} + l;")
         em.scopes.append({})
         _accumulate(em, p, lines, ind + "    ", "l", tail=False)
@@ -450,10 +467,16 @@ def _reduction_clause_pass(
     em: Emitter, p: Pass, inner: Sequence[Var], lines: list[str], indent: str, split: bool
 ) -> None:
     """A pass whose reductions OpenMP combines: `#pragma omp simd reduction(...)` over
-    the whole row. Float max/min also OR a NaN flag (OpenMP's max drops NaN)."""
+    the whole row. Float max/min also OR a NaN flag (OpenMP's max drops NaN). A two-pass
+    variance sums the row, then the squared deviations from its mean, in a second loop."""
     clauses = []
+    welford = [a for a in p.accumulates if a.combine == "welford"]
     for a in p.accumulates:
         t = VALUE[a.acc_dtype]
+        if a.combine == "welford":
+            lines.append(f"{indent}{t} {a.name}_sum = 0, {a.name}_m2 = 0;")
+            clauses.append(f"reduction(+:{a.name}_sum)")
+            continue
         init = _lane_fields(a)[0][2]
         lines.append(f"{indent}{t} {a.name}_value = {init};")
         clauses.append(f"reduction({OMP_REDUCTION[a.combine]}:{a.name}_value)")
@@ -462,39 +485,66 @@ def _reduction_clause_pass(
             clauses.append(f"reduction(|:{a.name}_nan)")
     invariant = _invariant([*(a.value for a in p.accumulates), *(s.value for s in p.stores)], inner)
     em.emit(invariant, lines, indent)
-    ind = indent
-    for i, v in enumerate(inner[:-1]):
-        lo, hi = ("lo", "hi") if split and i == 0 else ("0", str(v.extent))
-        lines.append(f"{ind}for (int64_t {v.name} = {lo}; {v.name} < {hi}; {v.name}++) {{")
-        ind += "  "
-    last = inner[-1]
-    start, stop = ("lo", "hi") if split and len(inner) == 1 else ("0", str(last.extent))
-    lines.append(f"{ind}#pragma omp simd {' '.join(clauses)}")
-    lines.append(
-        f"{ind}for (int64_t {last.name} = {start}; {last.name} < {stop}; {last.name}++) {{"
-    )
-    em.scopes.append({})
-    body = ind + "  "
-    em.emit([a.value for a in p.accumulates], lines, body)
-    for a in p.accumulates:
-        val, n = em.ref(a.value), f"{a.name}_value"
-        if a.combine in ("max", "min"):
-            cmp = ">" if a.combine == "max" else "<"
-            if a.acc_dtype.is_floating_point:
-                lines.append(f"{body}{a.name}_nan |= ({val} != {val});")
-            lines.append(f"{body}{n} = ({n} {cmp} {val}) ? {n} : {val};")
-        else:
-            lines.append(f"{body}{n} {OMP_REDUCTION[a.combine]}= {val};")
-    _stores(em, p.stores, lines, body)
-    em.scopes.pop()
-    lines.append(f"{ind}}}")
-    for _ in inner[:-1]:
-        ind = ind[:-2]
+
+    def loop(clause: str, body_fn: Any) -> None:
+        ind = indent
+        for i, v in enumerate(inner[:-1]):
+            lo, hi = ("lo", "hi") if split and i == 0 else ("0", str(v.extent))
+            lines.append(f"{ind}for (int64_t {v.name} = {lo}; {v.name} < {hi}; {v.name}++) {{")
+            ind += "  "
+        last = inner[-1]
+        start, stop = ("lo", "hi") if split and len(inner) == 1 else ("0", str(last.extent))
+        r = last.name
+        lines.append(f"{ind}#pragma omp simd {clause}")
+        lines.append(f"{ind}for (int64_t {r} = {start}; {r} < {stop}; {r}++) {{")
+        em.scopes.append({})
+        body_fn(ind + "  ")
+        em.scopes.pop()
         lines.append(f"{ind}}}")
-    for a in p.accumulates:
-        if a.combine in ("max", "min") and a.acc_dtype.is_floating_point:
+        for _ in inner[:-1]:
+            ind = ind[:-2]
+            lines.append(f"{ind}}}")
+
+    def first(body: str) -> None:
+        em.emit([a.value for a in p.accumulates], lines, body)
+        for a in p.accumulates:
+            val = em.ref(a.value)
+            if a.combine == "welford":
+                lines.append(f"{body}{a.name}_sum += {val};")
+                continue
+            n = f"{a.name}_value"
+            if a.combine in ("max", "min"):
+                cmp = ">" if a.combine == "max" else "<"
+                if a.acc_dtype.is_floating_point:
+                    lines.append(f"{body}{a.name}_nan |= ({val} != {val});")
+                lines.append(f"{body}{n} = ({n} {cmp} {val}) ? {n} : {val};")
+            else:
+                lines.append(f"{body}{n} {OMP_REDUCTION[a.combine]}= {val};")
+        if not welford:
+            _stores(em, p.stores, lines, body)
+
+    def second(body: str) -> None:
+        em.emit([a.value for a in welford], lines, body)
+        for a in welford:
             t = VALUE[a.acc_dtype]
+            lines.append(f"{body}{{ const {t} d = {em.ref(a.value)} - {a.name}_mean;")
+            lines.append(f"{body}  {a.name}_m2 += d * d; }}")
+        _stores(em, p.stores, lines, body)
+
+    loop(" ".join(clauses), first)
+    count = 1
+    for v in inner:
+        count *= v.extent
+    for a in p.accumulates:
+        t = VALUE[a.acc_dtype]
+        if a.combine in ("max", "min") and a.acc_dtype.is_floating_point:
             lines.append(f"{indent}if ({a.name}_nan) {a.name}_value = ({t})NAN;")
+        if a.combine == "welford":
+            lines.append(
+                f"{indent}const {t} {a.name}_cnt = {count}, {a.name}_mean = {a.name}_sum / {count};"
+            )
+    if welford:
+        loop(" ".join(f"reduction(+:{a.name}_m2)" for a in welford), second)
 
 
 def _accumulate(em: Emitter, p: Pass, lines: list[str], ind: str, lane: str, tail: bool) -> None:
@@ -563,7 +613,9 @@ def _rows(k: Kernel, lines: list[str]) -> None:
     for number, p in enumerate(k.passes):
         _pass_body(em, p, k.inner, lines, indent, split=False, number=number)
         for a in p.accumulates:
-            _combine_lanes(a, lines, indent, clause=_simple(p.accumulates))
+            _combine_lanes(
+                a, lines, indent, clause=_simple(p.accumulates), lanes=lanes_for(p.accumulates)
+            )
             _publish(em, a)
         _stores(em, p.after, lines, indent)
     for _ in k.outer:
@@ -581,7 +633,7 @@ def _split(k: Kernel, lines: list[str]) -> None:
     lines.append("  {")
     lines.append("    const int nt = omp_get_num_threads(), tid = omp_get_thread_num();")
     first = k.inner[0]
-    align = LANES if len(k.inner) == 1 else 1
+    align = max(lanes_for(p.accumulates) for p in k.passes) if len(k.inner) == 1 else 1
     ext = first.extent
     lines.append(
         f"    const int64_t chunk = (({ext} + nt - 1) / nt + {align - 1}) / {align} * {align};"
@@ -597,7 +649,9 @@ def _split(k: Kernel, lines: list[str]) -> None:
     for number, p in enumerate(k.passes):
         _pass_body(em, p, k.inner, lines, indent, split=True, number=number)
         for a in p.accumulates:
-            _combine_lanes(a, lines, indent, clause=_simple(p.accumulates))
+            _combine_lanes(
+                a, lines, indent, clause=_simple(p.accumulates), lanes=lanes_for(p.accumulates)
+            )
             for part, _ in _results(a):
                 lines.append(f"{indent}{a.name}_P{_suffix(a, part)}[tid] = {a.name}_{part};")
         if p.accumulates:
