@@ -9,6 +9,7 @@ shapes, thread count, CPU, torch version), so a warm compile does not time again
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -30,6 +31,7 @@ from .ir.ops import Kind, info
 REPS = 7  # samples per candidate at least
 MIN_SECONDS = 0.02  # and at least this much time per candidate (short kernels are noisy)
 MAX_REPS = 200
+SEQUENTIAL_BYTES = 32 << 20  # candidates are timed one after the other above this
 
 
 @dataclass(frozen=True)
@@ -195,11 +197,24 @@ def choose(
     part = Partition([sub_group])
     g = torch.Generator().manual_seed(0)
     inputs = [random_like(n.tensor, g) for n in externals]
-    runners = {}
-    for name, built in candidates.items():
-        run = run_plan(sub, part, {0: built} if built is not None else {})
-        runners[name] = lambda run=run: run(inputs)
-    seconds = time_candidates(runners)
+    working_set = sum(t.numel() * t.element_size() for t in inputs) + sum(
+        o.tensor.nbytes for o in sub.output_set
+    )
+    if working_set <= SEQUENTIAL_BYTES:
+        runners = {}
+        for name, built in candidates.items():
+            run = run_plan(sub, part, {0: built} if built is not None else {})
+            runners[name] = functools.partial(run, inputs)
+        seconds = time_candidates(runners)
+    else:
+        # Big tensors: one candidate (and its memory pool) alive at a time, so compiling
+        # never holds several copies of a large intermediate.
+        seconds = {}
+        for name, built in candidates.items():
+            run = run_plan(sub, part, {0: built} if built is not None else {})
+            seconds.update(time_candidates({name: functools.partial(run, inputs)}))
+            del run
+    del inputs
     if not seconds:
         return Decision(next(iter(candidates)), {})
     best = min(seconds, key=seconds.__getitem__)

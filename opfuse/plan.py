@@ -22,7 +22,6 @@ from .runtime import (
     Scratch,
     Slot,
     TorchStep,
-    assign_pool,
 )
 
 
@@ -187,6 +186,10 @@ def build_plan(graph: Graph, part: Partition, built: Mapping[int, Built]) -> Pla
                 p.torch_step(g.anchor)  # unfused: the library call, then the epilogue kernel
             args, reads = p.kernel_args(b.kernel)
             p.kernel_step(b.kernel.name, b.fn, args, reads)
+            pos = {buf.name: i for i, buf in enumerate(b.kernel.buffers)}
+            step = p.steps[-1]
+            assert isinstance(step, KernelStep)
+            step.inplace = [(pos[o], pos[i]) for o, i in b.kernel.inplace]
             p.produced(args)
     for out in graph.outputs:
         if isinstance(out, Node):
@@ -203,9 +206,11 @@ def build_plan(graph: Graph, part: Partition, built: Mapping[int, Built]) -> Pla
 
 
 def _plan_memory(graph: Graph, p: _Planner) -> list[int]:
-    """Assign pool blocks to kernel intermediates and scratch. An intermediate lives until
-    the last read of it or of any alias of it; one that escapes (is, or has a view that is,
-    a graph output) gets fresh memory per call."""
+    """Assign pool blocks to kernel intermediates and scratch, greedily in step order. An
+    intermediate lives until the last read of it or of any alias of it; one that escapes
+    (is, or has a view that is, a graph output) gets fresh memory per call. An output may
+    take its input's block when the kernel allows it (in place) and this is that input's
+    last read."""
     alias_of: dict[Node, Node] = {}
     for s in p.steps:
         if isinstance(s, TorchStep):
@@ -218,25 +223,58 @@ def _plan_memory(graph: Graph, p: _Planner) -> list[int]:
     for n, rs in p.readers.items():
         base = alias_of.get(n, n)
         last_read[base] = max(last_read.get(base, -1), *rs)
-    users: list[Out | Scratch] = []
-    lifetimes: list[tuple[int, int, int]] = []
+    sizes: list[int] = []
+    free_at: list[int] = []  # step after which each block is free
+    block_of: dict[Node, int] = {}
+
+    def best_fit(start: int, end: int, size: int) -> int:
+        best = None
+        for b in range(len(sizes)):
+            if free_at[b] < start and (
+                best is None or _fit(sizes[b], size) < _fit(sizes[best], size)
+            ):
+                best = b
+        if best is None:
+            sizes.append(size)
+            free_at.append(end)
+            return len(sizes) - 1
+        sizes[best] = max(sizes[best], size)
+        free_at[best] = end
+        return best
+
     for si, step in enumerate(p.steps):
         if not isinstance(step, KernelStep):
             continue
-        for a in step.args:
+        partner = dict(step.inplace)
+        for ai, a in enumerate(step.args):
             if isinstance(a, Scratch):
-                users.append(a)
-                lifetimes.append((si, si, a.nbytes))
-            elif isinstance(a, Out):
-                node = graph.nodes[a.slot]
-                if node in escapes or not isinstance(node.meta, TensorMeta):
+                a.block = best_fit(si, si, a.nbytes)
+                continue
+            if not isinstance(a, Out):
+                continue
+            node = graph.nodes[a.slot]
+            if node in escapes or not isinstance(node.meta, TensorMeta):
+                continue
+            end = last_read.get(node, si)
+            size = _storage_bytes(a.meta)
+            src = step.args[partner[ai]] if ai in partner else None
+            if isinstance(src, In):
+                src_node = graph.nodes[src.slot]
+                blk = block_of.get(src_node)
+                if blk is not None and last_read.get(src_node) == si and free_at[blk] == si:
+                    sizes[blk] = max(sizes[blk], size)
+                    free_at[blk] = end
+                    a.block = blk
+                    block_of[node] = blk
                     continue
-                users.append(a)
-                lifetimes.append((si, last_read.get(node, si), _storage_bytes(a.meta)))
-    blocks, sizes = assign_pool(lifetimes)
-    for a, blk in zip(users, blocks):
-        a.block = blk
+            a.block = best_fit(si, end, size)
+            block_of[node] = a.block
     return sizes
+
+
+def _fit(block: int, size: int) -> int:
+    """Smaller is better: waste if the block is big enough, else the growth needed."""
+    return block - size if block >= size else (size - block) * 4
 
 
 def _storage_bytes(m: TensorMeta) -> int:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,6 +58,7 @@ class KernelStep:
     name: str
     fn: Any  # ctypes function: int fn(void **args, int nthreads)
     args: list[KernelArg]
+    inplace: list[tuple[int, int]] = field(default_factory=list)  # (out arg, in arg) may share
 
     @property
     def inputs(self) -> list[In]:
@@ -101,12 +103,29 @@ class _Frame(threading.local):
     ready: bool = False
 
 
+_LIVE: weakref.WeakSet[Runtime] = weakref.WeakSet()
+
+
+def persistent_bytes() -> int:
+    """Memory live runtimes keep between calls on this thread: pooled intermediates and
+    scratch, plus the recycled outputs they hold on to."""
+    total = 0
+    for rt in list(_LIVE):
+        f = rt._frame
+        if not f.ready:
+            continue
+        total += sum(b.numel() for b in f.blocks)
+        total += sum(t.untyped_storage().nbytes() for t in f.recycle.values())
+    return total
+
+
 class Runtime:
     """Executes a Plan. Calling it with the graph's inputs returns the graph's outputs."""
 
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self._frame = _Frame()
+        _LIVE.add(self)
 
     def _prepare(self) -> _Frame:
         f = self._frame

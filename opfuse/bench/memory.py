@@ -1,8 +1,14 @@
-"""Peak memory: each candidate runs in a fresh subprocess; the number is the process's
-resident high-water mark (VmHWM) at the end, minus its resident size right after importing
-torch and opfuse. It covers weights, compilation and the run itself, as a deployment sees.
+"""Peak memory of running a model, each candidate in a fresh subprocess.
 
-    python -m opfuse.bench.memory CASE CANDIDATE   ->  prints {"peak_bytes": ...}
+Two numbers per candidate:
+- working: the resident high-water mark while one inference call (or one training step)
+  runs, above what the process held just before it, plus what the candidate keeps between
+  calls (opfuse's pooled intermediates and recycled outputs), i.e. the memory the run
+  itself needs. Compilation is done before the measured run.
+- process: the process's high-water mark over its whole life, above its size after
+  importing torch: weights, compilation and the run, as a deployment sees it.
+
+    python -m opfuse.bench.memory CASE CANDIDATE   ->  prints {"working": ..., "process": ...}
 """
 
 from __future__ import annotations
@@ -28,6 +34,11 @@ def _status() -> dict[str, int]:
                 key, value = line.split(":")
                 out[key] = int(value.split()[0]) * 1024
     return out
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # Linux: the high-water mark restarts from the current size
 
 
 def _prenorm_block() -> tuple[nn.Module, tuple[Any, ...], bool]:
@@ -57,39 +68,58 @@ CANDIDATES = ("eager", "inductor", "opfuse")
 
 def child(case: str, candidate: str) -> dict[str, int]:
     import opfuse
+    from opfuse.runtime import persistent_bytes
 
-    base = _status()["VmRSS"]
+    start = _status()["VmRSS"]
     model, inputs, training = CASES[case]()
     if training:
         fwd: Any = {
-            "eager": model,
-            "inductor": torch.compile(model),
-            "opfuse": torch.compile(model, backend="opfuse"),
-        }[candidate]
-        for _ in range(2):
+            "eager": lambda: model,
+            "inductor": lambda: torch.compile(model),
+            "opfuse": lambda: torch.compile(model, backend="opfuse"),
+        }[candidate]()
+
+        def run() -> None:
             fwd(*inputs).sum().backward()
             model.zero_grad(set_to_none=True)
+
+        if candidate != "eager":
+            run()  # compiles forward and backward
     else:
         with torch.no_grad():
-            if candidate == "eager":
-                fwd = model
+            if candidate == "opfuse":
+                fwd = opfuse.compile(model, inputs)
             elif candidate == "inductor":
                 fwd = torch.compile(model)
+                fwd(*inputs)  # compiles
             else:
-                fwd = opfuse.compile(model, inputs)
-            for _ in range(2):
+                fwd = model
+
+        def run() -> None:
+            with torch.no_grad():
                 out = fwd(*inputs)
                 del out
+
+    gc.collect()
+    compile_peak = _status()["VmHWM"]
+    kept_before = persistent_bytes()
+    _reset_peak()
+    base = _status()["VmRSS"]
+    run()
     gc.collect()
     s = _status()
-    return {"peak_bytes": s["VmHWM"] - base, "base_bytes": base}
+    # A pool allocated before the measured run (training: by the compiling step) is
+    # memory the run needs too.
+    working = s["VmHWM"] - base + kept_before
+    return {"working": working, "process": max(compile_peak, s["VmHWM"]) - start}
 
 
-def measure(case: str) -> dict[str, int]:
-    """Peak bytes per candidate, each in a fresh process with empty compile caches."""
+def measure(case: str) -> dict[str, dict[str, int]]:
+    """{"working" | "process": {candidate: bytes}}, each candidate in a fresh process
+    with empty compile caches."""
     import tempfile
 
-    out = {}
+    out: dict[str, dict[str, int]] = {"working": {}, "process": {}}
     for cand in CANDIDATES:
         with tempfile.TemporaryDirectory() as d:
             env = dict(
@@ -106,7 +136,9 @@ def measure(case: str) -> dict[str, int]:
             )
         if res.returncode != 0:
             raise RuntimeError(f"memory run {case}/{cand} failed: {res.stderr[-2000:]}")
-        out[cand] = json.loads(res.stdout.strip().splitlines()[-1])["peak_bytes"]
+        got = json.loads(res.stdout.strip().splitlines()[-1])
+        for k in out:
+            out[k][cand] = got[k]
     return out
 
 

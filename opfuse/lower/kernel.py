@@ -89,6 +89,9 @@ class Kernel:
     schedule: str = "pointwise"
     reduction_size: int = 1  # elements folded into each accumulator
     checks: tuple[Expr, ...] = ()  # conditions that raise ZeroDivisionError when true
+    # (output, input) buffer pairs that may share memory: every read of the input element
+    # comes before the write of the output element at the same place (softmax, relu(x)).
+    inplace: tuple[tuple[str, str], ...] = ()
     notes: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property

@@ -76,7 +76,47 @@ def finalize(k: Kernel) -> Kernel:
 
     k2 = replace(map_indices(k, fix), outer=tuple(new_outer), inner=tuple(new_inner))
     k2 = replace(k2, schedule=_choose(k2))
-    return _variance_algorithm(k2)
+    k2 = _variance_algorithm(k2)
+    return replace(k2, inplace=_inplace_pairs(k2))
+
+
+def _inplace_pairs(k: Kernel) -> tuple[tuple[str, str], ...]:
+    """Outputs that may overwrite an input: same dtype and layout; every load of the input
+    at the very index the output is stored at; no load of it in a pass after the store."""
+    loads: dict[str, set[Ix]] = {}
+    last_load: dict[str, int] = {}
+    stores: dict[str, list[tuple[int, Ix, bool]]] = {}
+    for p_i, p in enumerate(k.passes):
+        roots = [a.value for a in p.accumulates] + [s.value for s in (*p.stores, *p.after)]
+        if p_i == 0:
+            roots += list(k.checks)
+        for e in walk(roots):
+            if e.op == "load":
+                buf, ix = e.value
+                loads.setdefault(buf, set()).add(ix)
+                last_load[buf] = max(last_load.get(buf, -1), p_i)
+        for s in p.stores:
+            stores.setdefault(s.buffer, []).append((p_i, s.index, s.guard is None))
+        for s in p.after:
+            stores.setdefault(s.buffer, []).append((p_i, s.index, False))
+    pairs = []
+    taken: set[str] = set()
+    for out in k.outputs:
+        sts = stores.get(out.name, [])
+        if not sts or not all(ok for _, _, ok in sts) or len({ix for _, ix, _ in sts}) != 1:
+            continue
+        ix = sts[0][1]
+        first_store = min(p for p, _, _ in sts)
+        for inp in k.inputs:
+            # The same element offsets (equal index expressions) over storage of the same
+            # size: shapes may differ (a view reshapes the input).
+            if inp.name in taken or inp.dtype != out.dtype or inp.nbytes != out.nbytes:
+                continue
+            if loads.get(inp.name) == {ix} and last_load[inp.name] <= first_store:
+                pairs.append((out.name, inp.name))
+                taken.add(inp.name)
+                break
+    return tuple(pairs)
 
 
 # Rows up to this many bytes of float64 are read twice for a variance (mean, then squared

@@ -180,9 +180,13 @@ def _header(name: str, k: Kernel) -> list[str]:
 
 def render_kernel(name: str, k: Kernel) -> str:
     lines = _header(name, k)
+    shared = {name for pair in k.inplace for name in pair}  # may alias: no restrict
     for i, b in enumerate(k.buffers):
         const = "const " if b.role == "in" else ""
         t = STORAGE[b.dtype]
+        if b.name in shared:
+            lines.append(f"  {const}{t} *{b.name} = ({const}{t} *)args[{i}];")
+            continue
         lines.append(f"  {const}{t} *restrict {b.name} = ({const}{t} *)args[{i}];")
     lines.append("  int err = 0;")
     lines.append("  (void)nthreads;")
