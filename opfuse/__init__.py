@@ -11,6 +11,24 @@ from .pipeline import Options
 from .report import FusionReport
 
 __version__ = "0.1.0"
+
+
+def _configure_logging() -> None:
+    """OPFUSE_LOG=fusion (or autotune, build, all): log those decisions to stderr."""
+    import logging
+    import os
+
+    wanted = [w.strip() for w in os.environ.get("OPFUSE_LOG", "").split(",") if w.strip()]
+    for w in wanted:
+        logger = logging.getLogger("opfuse" if w == "all" else f"opfuse.{w}")
+        logger.setLevel(logging.DEBUG)
+        if not logger.handlers:
+            h = logging.StreamHandler()
+            h.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+            logger.addHandler(h)
+
+
+_configure_logging()
 __all__ = [
     "CompiledModule",
     "FusionReport",

@@ -412,6 +412,8 @@ def _safe_name(name: str) -> str:
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
+# opfuse's own wrapper frames around the user's forward (not the user's code)
+_OWN_FRAMES = {os.path.abspath(__file__), os.path.abspath(structure.__file__)}
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in [^\n]*\n\s*([^\n]*)')
 
 
@@ -427,7 +429,7 @@ def _source(n: torch.fx.Node) -> Source:
         )[-1]
     location = code = ""
     frames = _FRAME.findall(n.meta.get("stack_trace") or "")
-    user = [f for f in frames if not f[0].startswith(_TORCH_DIR) and "opfuse" not in f[0]]
+    user = [f for f in frames if not f[0].startswith(_TORCH_DIR) and f[0] not in _OWN_FRAMES]
     if user or frames:
         path, line, code = (user or frames)[-1]
         location = f"{os.path.basename(path)}:{line}"

@@ -1,4 +1,4 @@
-"""The `opfuse` command: demo | explain | bench."""
+"""The `opfuse` command: demo | explain | bisect | bench."""
 
 from __future__ import annotations
 
@@ -54,6 +54,12 @@ def explain(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def bisect(args: argparse.Namespace) -> int:
+    from opfuse.explain_cli import run_bisect
+
+    return run_bisect(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     warnings.filterwarnings("ignore", category=FutureWarning)
     p = argparse.ArgumentParser(prog="opfuse", description=__doc__)
@@ -69,14 +75,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--no-training", action="store_true", help="skip the training steps")
     b.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
     b.set_defaults(fn=bench)
+    from opfuse.explain_cli import add_arguments
+
     e = sub.add_parser("explain", help="what fused, what did not, and why")
-    e.add_argument("target", help="MODULE:FACTORY (module name or path to a .py file)")
-    e.add_argument("--input", action="append", default=[], help="input shape, e.g. 1x3x224x224")
-    e.add_argument("--dtype", default="float32")
-    e.add_argument("--json", action="store_true")
-    e.add_argument("--html")
-    e.add_argument("--svg")
+    add_arguments(e, outputs=True)
     e.set_defaults(fn=explain)
+    bs = sub.add_parser("bisect", help="find the fusion that makes a model differ from eager")
+    add_arguments(bs, outputs=False)
+    bs.set_defaults(fn=bisect)
     args = p.parse_args(argv)
     return int(args.fn(args))
 

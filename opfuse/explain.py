@@ -12,7 +12,7 @@ from .lower.epilogue import GemmKernel
 from .lower.groups import Lowered
 from .lower.kernel import Kernel
 from .plan import Built, BuiltCall, BuiltGemm, BuiltKernel
-from .report import FusionReport, GroupReport, RejectReport
+from .report import EdgeReport, FusionReport, GroupReport, RejectReport
 
 
 def count_kernels(graph: Graph) -> int:
@@ -87,7 +87,44 @@ def make_report(
         rejected=[RejectReport(r.producer, r.consumer, r.reason) for r in part.rejected],
         bytes_before=bytes_before,
         bytes_after=bytes_after,
+        edges=_edges(graph, part),
+        fusions=[[a, b] for a, b in part.fusions],
     )
+
+
+def _edges(graph: Graph, part: Partition) -> list[EdgeReport]:
+    """Tensors flowing between groups, from inputs and constants, and to the outputs.
+    Views are looked through: an edge carries the tensor the producer wrote."""
+    owner = {n: f"g{g.id}" for g in part.groups for n in g.nodes}
+
+    def source(n: Node) -> tuple[str, Node]:
+        while n not in owner and n.op not in (INPUT, CONSTANT) and n.inputs():
+            n = n.inputs()[0]
+        if n in owner:
+            return owner[n], n
+        return (f"input:{n.name}" if n.op == INPUT else f"const:{n.name}"), n
+
+    seen: set[tuple[str, str]] = set()
+    out: list[EdgeReport] = []
+
+    def add(src: str, dst: str, n: Node) -> None:
+        if src == dst or (src, dst) in seen or not isinstance(n.meta, TensorMeta):
+            return
+        seen.add((src, dst))
+        out.append(
+            EdgeReport(src, dst, list(n.meta.shape), str(n.meta.dtype).replace("torch.", ""))
+        )
+
+    for g in part.groups:
+        for n in g.nodes:
+            for i in n.inputs():
+                src, root = source(i)
+                if not src.startswith("const:"):
+                    add(src, f"g{g.id}", root)
+    for o in graph.output_set:
+        src, root = source(o)
+        add(src, "output", root)
+    return out
 
 
 def _kernel_of(b: Built | None) -> Kernel | None:

@@ -30,6 +30,7 @@ from .fusion.partition import Fuel, partition
 from .ir.graph import Graph
 from .lower.groups import lower_groups
 from .plan import Built, build_plan
+from .progress import Progress
 from .report import FoldReport, FusionReport, RejectReport
 from .rewrite.batchnorm import Fold, Refusal, fold_batchnorm, lower_batchnorm
 from .rewrite.cleanup import fold_constants
@@ -126,24 +127,28 @@ def tune(
     """Pick how each group runs: its only implementation, or the fastest measured one."""
     built: dict[int, Built] = {}
     decisions: dict[int, Decision] = {}
-    for g in part.groups:
-        cands = module.candidates.get(g.id, {})
-        if not cands:
-            continue
-        if len(cands) == 1:
-            only = next(iter(cands.values()))
-            if only is not None:
-                built[g.id] = only
-            continue
-        identity = [g.pattern, *module.signatures.get(g.id, []), *_io_signature(graph, g)]
-        if force in cands:
-            d = Decision(force, {}, cached=False)
-        else:
-            d = choose(graph, g, cands, identity, _sub_runtime)
-        decisions[g.id] = d
-        chosen = cands.get(d.choice)
-        if chosen is not None:
-            built[g.id] = chosen
+    several = [g for g in part.groups if len(module.candidates.get(g.id, {})) > 1]
+    with Progress(len(several), "timing implementations") as bar:
+        for g in part.groups:
+            cands = module.candidates.get(g.id, {})
+            if not cands:
+                continue
+            if len(cands) == 1:
+                only = next(iter(cands.values()))
+                if only is not None:
+                    built[g.id] = only
+                continue
+            identity = [g.pattern, *module.signatures.get(g.id, []), *_io_signature(graph, g)]
+            if force in cands:
+                d = Decision(force, {}, cached=False)
+            else:
+                d = choose(graph, g, cands, identity, _sub_runtime)
+            log.getChild("autotune").debug("group %d (%s): %s", g.id, g.pattern, d.describe())
+            decisions[g.id] = d
+            chosen = cands.get(d.choice)
+            if chosen is not None:
+                built[g.id] = chosen
+            bar.update()
     return built, decisions
 
 

@@ -39,6 +39,16 @@ class RejectReport:
 
 
 @dataclass
+class EdgeReport:
+    """A tensor passed between groups (or from a graph input, or to the output)."""
+
+    src: str  # "g3", "input:x", "const:weight"
+    dst: str  # "g4", "output"
+    shape: list[int]
+    dtype: str
+
+
+@dataclass
 class FusionReport:
     kernels_before: int = 0
     kernels_after: int = 0
@@ -50,6 +60,8 @@ class FusionReport:
     compile_seconds: float = 0.0
     cached: bool = False  # kernels came from the disk cache
     warnings: list[str] = field(default_factory=list)
+    edges: list[EdgeReport] = field(default_factory=list)
+    fusions: list[list[str]] = field(default_factory=list)  # [producer, consumer], in order
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -63,6 +75,13 @@ class FusionReport:
         groups = list(self.groups)
         for g in other.groups:
             groups.append(GroupReport(**{**asdict(g), "id": g.id + base}))
+
+        def shift(name: str) -> str:
+            return f"g{int(name[1:]) + base}" if name.startswith("g") else name
+
+        edges = self.edges + [
+            EdgeReport(shift(e.src), shift(e.dst), e.shape, e.dtype) for e in other.edges
+        ]
         return FusionReport(
             self.kernels_before + other.kernels_before,
             self.kernels_after + other.kernels_after,
@@ -74,6 +93,8 @@ class FusionReport:
             self.compile_seconds + other.compile_seconds,
             self.cached and other.cached,
             self.warnings + other.warnings,
+            edges,
+            self.fusions + other.fusions,
         )
 
     def patterns(self) -> dict[str, int]:
@@ -84,6 +105,18 @@ class FusionReport:
 
     def __str__(self) -> str:
         return format_table(self)
+
+    def to_svg(self) -> str:
+        """The model's graph, each fused group one box coloured by pattern."""
+        from .picture import svg
+
+        return svg(self)
+
+    def to_html(self) -> str:
+        """A self-contained page: picture, table, refusals, folds, generated sources."""
+        from .picture import html
+
+        return html(self)
 
 
 def format_table(r: FusionReport, width: int = 100) -> str:

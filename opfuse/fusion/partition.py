@@ -84,6 +84,10 @@ class _Partitioner:
         self.members[a] = merged
         return a
 
+    def _fused(self, producer: str, consumer: str, how: str) -> None:
+        self.fusions.append((producer, consumer))
+        log.debug("fusion %d (%s): %s -> %s", len(self.fusions), how, producer, consumer)
+
     def _reject(self, producer: Node, consumer: Node, reason: str) -> None:
         r = Rejection(producer.name, consumer.name, reason)
         self.rejected.append(r)
@@ -132,8 +136,7 @@ class _Partitioner:
             if reason:
                 self._reject(p, n, reason)
             else:
-                self.fusions.append((p.name, n.name))
-                log.debug("fused %s -> %s", p.name, n.name)
+                self._fused(p.name, n.name, "vertical")
 
     def _try_merge(self, a: int, b: int) -> str | None:
         A, B = self.members[a], self.members[b]
@@ -198,7 +201,7 @@ class _Partitioner:
                         continue
                     names = (self.members[a][0].name, self.members[b][0].name)
                     if self._try_merge(a, b) is None:
-                        self.fusions.append(names)
+                        self._fused(*names, "siblings")
                 live = [g for g in live[1:] if g in self.members]
 
     def _domain_key(self, nodes: list[Node]) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -241,7 +244,7 @@ class _Partitioner:
             if reason:
                 self._reject(a, consumers[0], reason)
             else:
-                self.fusions.append((a.name, consumers[0].name))
+                self._fused(a.name, consumers[0].name, "epilogue")
 
     def _consumers(self, a: Node) -> list[Node]:
         out: list[Node] = []
