@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .capture import capture_fx, decompositions
 from .explain import count_kernels
@@ -41,8 +42,11 @@ class _GraphRunner:
         key = self._key(args)
         entry: tuple[CompiledGraph, list[int]] | None
         try:
-            graph, positions = capture_fx(self.gm, args)
-            compiled = compile_graph(graph, Options(freeze=False), count_kernels(graph))
+            # AOTAutograd may call the compiler with its fake-tensor mode still active:
+            # constant folding and autotuning compute with real tensors.
+            with unset_fake_temporarily():
+                graph, positions = capture_fx(self.gm, args)
+                compiled = compile_graph(graph, Options(freeze=False), count_kernels(graph))
             entry = (compiled, positions)
         except Exception as e:  # never crash a model eager runs: run this graph with torch
             warn_once(f"opfuse: graph falls back to torch ({type(e).__name__}: {e})")

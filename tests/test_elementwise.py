@@ -150,3 +150,15 @@ def test_intermediates_not_materialised() -> None:
     g = r.groups[0]
     assert len(g.intermediates_saved) == 2  # mul and add results never reach memory
     assert g.bytes_saved == 2 * 2 * 128 * 128 * 4
+
+
+@pytest.mark.parametrize("n, threaded", [(1000, False), (1 << 20, True)])
+def test_small_kernels_stay_on_one_thread_and_vectorise(n: int, threaded: bool) -> None:
+    # gcc does not vectorise a parallel loop whose if() clause is false, so a kernel too
+    # small to share between threads must get a plain simd loop instead.
+    x = torch.randn(n)
+    fast = opfuse.compile(Fn(lambda a: torch.tanh(a * 2) + 1).eval(), (x,))
+    assert_matches_eager(Fn(lambda a: torch.tanh(a * 2) + 1), fast(x), (x,))
+    src = fast._first.compiled.source
+    assert ("omp parallel" in src) == threaded
+    assert "omp simd" in src or "parallel for simd" in src

@@ -67,6 +67,33 @@ def test_opfuse_compile_in_training_mode_trains() -> None:
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
 
 
+class Positions(nn.Module):
+    """Token + position embeddings: arange inside forward is a constant the compiler folds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.tok, self.pos, self.out = nn.Embedding(32, 16), nn.Embedding(8, 16), nn.Linear(16, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(ids.shape[1])
+        return self.out(torch.tanh(self.tok(ids) + self.pos(pos)))
+
+
+def test_constants_computed_in_forward_are_real_tensors() -> None:
+    # AOTAutograd calls the compiler with its fake-tensor mode active; a folded constant
+    # (the arange) must still be a real tensor when the graph runs.
+    m1, m2 = Positions(), Positions()
+    ids = torch.randint(0, 32, (3, 8), generator=torch.Generator().manual_seed(2))
+    out = torch.compile(m1, backend="opfuse")(ids)
+    ref = m2(ids)
+    torch.testing.assert_close(out, ref)
+    out.square().sum().backward()
+    ref.square().sum().backward()
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
+
+
 def test_batchnorm_training_updates_running_stats_like_eager() -> None:
     torch.manual_seed(0)
     m1 = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU())

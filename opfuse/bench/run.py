@@ -7,12 +7,15 @@ that hits the caches). Results: a terminal table, markdown, JSON and PNG plots."
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import json
 import os
 import platform
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -377,35 +380,62 @@ def main(
     cases = [c for c in all_cases() if c.quick or not quick]
     if only:
         cases = [c for c in cases if only in c.name or only == c.group]
-    results = []
-    t_start = time.perf_counter()
-    for c in cases:
-        print(f"... {c.name}", flush=True)
-        r = run_inference(c, reps=min(reps, c.reps) if not quick else 5)
-        results.append(r)
+    jobs: list[tuple[str, str, Callable[[], Result]]] = [
+        (c.name, c.group, functools.partial(run_inference, c, 5 if quick else min(reps, c.reps)))
+        for c in cases
+    ]
     if training and not quick and not only:
         from .training import CASES
 
-        for name, batch in CASES:
-            print(f"... {name} batch {batch} training", flush=True)
-            results.append(run_training(name, batch, reps=5))
+        jobs += [
+            (f"{n} batch {b} training step", "training", functools.partial(run_training, n, b, 5))
+            for n, b in CASES
+        ]
     if memory and not quick and not only:
         from .memory import CASES as MEM
 
-        for case in MEM:
-            print(f"... memory: {case}", flush=True)
-            results.append(run_memory(case))
+        jobs += [(f"memory: {m}", "memory", functools.partial(run_memory, m)) for m in MEM]
+    results: list[Result] = []
+    t_start = time.perf_counter()
+    d = Path(out) if out else None
+    for name, group, job in jobs:
+        print(f"... {name}", flush=True)
+        results.append(_guarded(name, group, job))
+        if d is not None:  # partial results survive an interrupted run
+            _write(d, results, elapsed=time.perf_counter() - t_start, final=False)
     elapsed = time.perf_counter() - t_start
-    title = f"opfuse bench ({machine()}; {elapsed / 60:.1f} min)"
-    text = markdown(results, title)
+    text = markdown(results, _title(elapsed))
     print_table(text)
-    if out:
-        d = Path(out)
-        d.mkdir(parents=True, exist_ok=True)
-        made = plots(results, d)
-        extra = "".join(f"\n![{m}]({m})" for m in made)
-        (d / "results.md").write_text(text + extra + "\n")
-        (d / "results.json").write_text(
-            json.dumps({"machine": machine(), "results": [asdict(r) for r in results]}, indent=1)
-        )
+    if d is not None:
+        _write(d, results, elapsed, final=True)
     return 1 if any(r.error for r in results) else 0
+
+
+def _guarded(name: str, group: str, job: Callable[[], Result]) -> Result:
+    """One case's failure is a row of the table, not the end of the run."""
+    try:
+        return job()
+    except Exception as e:
+        traceback.print_exc()
+        return Result(name, group, error=f"{type(e).__name__}: {str(e)[:200]}")
+    finally:
+        torch._dynamo.reset()
+        gc.collect()
+
+
+def _title(elapsed: float) -> str:
+    return f"opfuse bench ({machine()}; {elapsed / 60:.1f} min)"
+
+
+def _write(d: Path, results: list[Result], elapsed: float, final: bool) -> None:
+    d.mkdir(parents=True, exist_ok=True)
+    text = markdown(results, _title(elapsed))
+    made = plots(results, d) if final else []
+    extra = "".join(f"\n![{m}]({m})" for m in made)
+    (d / "results.md").write_text(text + extra + "\n")
+    (d / "results.json").write_text(
+        json.dumps(
+            {"machine": machine(), "complete": final, "results": [asdict(r) for r in results]},
+            indent=1,
+        )
+    )

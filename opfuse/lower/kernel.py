@@ -25,6 +25,8 @@ import torch
 from ..ir.index import Ix, Var
 from ..ir.scalar import Expr
 
+PARALLEL_MIN = 1 << 15  # elements below which a kernel runs on one thread
+
 
 @dataclass(frozen=True)
 class Buffer:
@@ -123,3 +125,9 @@ class Kernel:
         for v in self.inner:
             n *= v.extent
         return n
+
+    @property
+    def parallel(self) -> bool:
+        """Whether threads share the work: below PARALLEL_MIN elements, waking the team
+        costs more than it saves."""
+        return self.schedule == "split" or self.outer_size * self.inner_size >= PARALLEL_MIN

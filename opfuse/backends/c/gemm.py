@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ...lower.epilogue import GemmKernel
-from .render import STORAGE, Emitter, _stores
+from .emit import STORAGE, Emitter, emit_stores
 
 ROW_MAJOR, NO_TRANS, TRANS, PACKED, B_MATRIX = 101, 111, 112, 151, 162
 
@@ -201,6 +201,6 @@ def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> s
     lines.append("      #pragma omp simd")
     lines.append(f"      for (int64_t {nvar} = n0; {nvar} < n0 + nn; {nvar}++) {{")
     em.scopes.append({})
-    _stores(em, epi.passes[0].stores, lines, "        ")
+    emit_stores(em, epi.passes[0].stores, lines, "        ")
     lines += ["      }", "    }", "  }", "  return err;", "}"]
     return "\n".join(lines) + "\n"

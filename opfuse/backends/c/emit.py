@@ -1,0 +1,195 @@
+"""C building blocks shared by the kernel renderers: type names, literals, conversions
+with torch's semantics, index arithmetic, and the Emitter that linearises scalar
+expression DAGs into named C values. Formatting only."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from ...ir.index import FloorDiv, Ix, Mod, Var
+from ...ir.scalar import PRIMS, Expr, format_float, walk
+from ...lower.kernel import Kernel, Store
+
+CTYPE = {
+    torch.float32: "float",
+    torch.float64: "double",
+    torch.float16: "_Float16",
+    torch.bfloat16: "bf16_t",
+    torch.int8: "int8_t",
+    torch.int16: "int16_t",
+    torch.int32: "int32_t",
+    torch.int64: "int64_t",
+    torch.uint8: "uint8_t",
+    torch.bool: "bool",
+}
+_INT_LIMITS = {
+    torch.int8: ("INT8_MIN", "INT8_MAX"),
+    torch.int16: ("INT16_MIN", "INT16_MAX"),
+    torch.int32: ("INT32_MIN", "INT32_MAX"),
+    torch.int64: ("INT64_MIN", "INT64_MAX"),
+    torch.uint8: ("0", "UINT8_MAX"),
+    torch.bool: ("0", "1"),
+}
+# Booleans are stored as bytes (torch's layout) and held as int: gcc vectorises loops that
+# mix 1-byte _Bool with float badly (it picks 8-byte vectors), and an int 0/1 is a _Bool.
+STORAGE = {**CTYPE, torch.bool: "uint8_t"}
+VALUE = {**CTYPE, torch.bool: "int"}
+
+
+def ctype(dtype: torch.dtype) -> str:
+    return CTYPE[dtype]
+
+
+def literal(value: object, dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "1" if value else "0"
+    if dtype.is_floating_point:
+        text = format_float(float(value))  # type: ignore[arg-type]
+        if dtype == torch.float64:
+            return text
+        f32 = text if not text[-1].isdigit() else text + "f"
+        if dtype == torch.float32:
+            return f32
+        if dtype == torch.float16:
+            return f"((_Float16){f32})"
+        return f"f32_to_bf16({f32})"
+    v = int(value)  # type: ignore[call-overload]
+    if v == -(2**63):
+        return "INT64_MIN"
+    return f"(({CTYPE[dtype]}){v}LL)" if abs(v) > 2**31 - 1 else f"(({CTYPE[dtype]}){v})"
+
+
+def convert(x: str, src: torch.dtype, dst: torch.dtype) -> str:
+    """C expression converting `x` from src to dst with torch's semantics."""
+    if src == dst:
+        return x
+    if src == torch.bfloat16:
+        x, src = f"bf16_to_f32({x})", torch.float32
+        if dst == torch.float32:
+            return x
+    if dst == torch.bool:
+        return f"(({x}) != 0)"
+    if dst == torch.bfloat16:
+        return f"f32_to_bf16((float)({x}))"
+    return f"(({CTYPE[dst]})({x}))"
+
+
+def index(ix: Ix) -> str:
+    parts = []
+    for atom, c in ix.terms:
+        if isinstance(atom, Var):
+            a = atom.name
+        elif isinstance(atom, FloorDiv):
+            a = f"(({index(atom.x)}) / {atom.d})"
+        else:
+            assert isinstance(atom, Mod)
+            a = f"(({index(atom.x)}) % {atom.d})"
+        parts.append(a if c == 1 else f"{c}*{a}")
+    if ix.const or not parts:
+        parts.append(str(ix.const))
+    return " + ".join(parts)
+
+
+class Emitter:
+    """Linearises Expr DAGs into C statements, naming each value once per scope."""
+
+    def __init__(self, scopes: list[dict[Expr, str]], counter: list[int]) -> None:
+        self.scopes = scopes
+        self.counter = counter
+
+    def lookup(self, e: Expr) -> str | None:
+        for s in reversed(self.scopes):
+            if e in s:
+                return s[e]
+        return None
+
+    def emit(self, roots: Iterable[Expr], lines: list[str], indent: str) -> None:
+        for e in walk(list(roots)):
+            if self.lookup(e) is not None:
+                continue
+            text = self.text(e)
+            if e.op == "const":
+                self.scopes[-1][e] = text
+                continue
+            self.counter[0] += 1
+            name = f"t{self.counter[0]}"
+            lines.append(f"{indent}const {VALUE[e.dtype]} {name} = {text};")
+            self.scopes[-1][e] = name
+
+    def ref(self, e: Expr) -> str:
+        name = self.lookup(e)
+        assert name is not None, f"{e!r} used before it was emitted"
+        return name
+
+    def text(self, e: Expr) -> str:
+        if e.op == "const":
+            return literal(e.value, e.dtype)
+        if e.op == "load":
+            buf, ix = e.value
+            return f"{buf}[{index(ix)}]"
+        if e.op == "acc":
+            name, part = e.value
+            return f"{name}_{part}"
+        if e.op == "index":
+            return f"((int64_t)({index(e.value)}))"
+        if e.op == "cast":
+            return convert(self.ref(e.args[0]), e.args[0].dtype, e.dtype)
+        prim = PRIMS[e.op]
+        operand = e.args[0].dtype if e.op != "where" else e.args[1].dtype
+        tmpl = prim.c if operand.is_floating_point or prim.c_int is None else prim.c_int
+        return tmpl.format(
+            *(self.ref(a) for a in e.args),
+            f="f" if operand == torch.float32 else "",
+            T=CTYPE[operand],
+        )
+
+
+def for_loop(v: Var, indent: str) -> str:
+    return f"{indent}for (int64_t {v.name} = 0; {v.name} < {v.extent}; {v.name}++) {{"
+
+
+def emit_stores(em: Emitter, stores: Sequence[Store], lines: list[str], indent: str) -> None:
+    em.emit([s.value for s in stores], lines, indent)
+    for s in stores:
+        store = f"{s.buffer}[{index(s.index)}] = {em.ref(s.value)};"
+        if s.guard is not None:
+            store = f"if (({index(s.guard)}) == 0) {store}"
+        lines.append(f"{indent}{store}")
+
+
+def emit_checks(em: Emitter, k: Kernel, lines: list[str], indent: str) -> None:
+    em.emit(k.checks, lines, indent)
+    for c in k.checks:
+        lines.append(f"{indent}err |= {em.ref(c)};")
+
+
+def loop_vars(e: Expr) -> set[str]:
+    """Loop variables an expression depends on (through its loads and positions)."""
+    out: set[str] = set()
+    for s in walk([e]):
+        if s.op == "load":
+            out |= {v.name for v in s.value[1].variables()}
+        elif s.op == "index":
+            out |= {v.name for v in s.value.variables()}
+    return out
+
+
+def invariant(roots: Sequence[Expr], loops: Sequence[Var]) -> list[Expr]:
+    """Subexpressions that do not change inside `loops`: computed once, before them
+    (a scalar load in a vector loop can otherwise keep gcc from vectorising it)."""
+    names = {v.name for v in loops}
+    memo: dict[Expr, bool] = {}
+    out = []
+    for e in walk(list(roots)):
+        if e.op == "const":
+            continue
+        if e.args:
+            varying = any(memo.get(a, False) for a in e.args)
+        else:
+            varying = bool(loop_vars(e) & names)
+        memo[e] = varying
+        if not varying:
+            out.append(e)
+    return out
