@@ -119,6 +119,8 @@ def print_report(report: FusionReport) -> None:
         console.print(f"[green]fold[/]: {f.batchnorm} -> {f.conv}")
     for r in report.rejected:
         console.print(f"[yellow]not fused[/]: {r.producer} -> {r.consumer}: {r.reason}")
+    if report.layout:
+        console.print(f"[cyan]layout[/]: {report.layout}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -191,6 +191,7 @@ def html(r: FusionReport) -> str:
         f"</code>: {_html.escape(x.reason)}</li>"
         for x in r.rejected
     )
+    layout = f"<br>Layout: {_html.escape(r.layout)}." if r.layout else ""
     folds = "".join(
         f"<li>{_html.escape(f.batchnorm)} folded into {_html.escape(f.conv)}</li>" for f in r.folds
     )
@@ -208,7 +209,7 @@ def html(r: FusionReport) -> str:
 <p>{r.kernels_before} kernels in eager &rarr; {r.kernels_after} with opfuse;
 intermediate memory traffic {r.bytes_before} &rarr; {r.bytes_after} bytes;
 {len(r.folds)} BatchNorm folds; {len(r.rejected)} fusions refused;
-compiled in {r.compile_seconds:.2f} s.</p>
+compiled in {r.compile_seconds:.2f} s.{layout}</p>
 <div class="picture">{svg(r)}</div>
 <h2>Groups</h2>
 <table><tr><th>#</th><th>pattern</th><th>kernel</th><th>ops</th><th>modules</th>

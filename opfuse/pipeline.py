@@ -1,7 +1,7 @@
 """The compiler on one screen.
 
 graph  = capture(model)                 capture.py       torch.export / AOTAutograd
-graph  = rewrite(graph)                 rewrite/         fold BatchNorm, fold constants
+graph  = rewrite(graph)                 rewrite/         fold BatchNorm, constants; layout
 kinds  = classify(graph)                fusion/classify  ordered op kinds
 groups = partition(graph, kinds)        fusion/          the decision, with why-nots
 kernels = lower(groups)                 lower/           loop nest + scalar expressions
@@ -34,6 +34,7 @@ from .progress import Progress
 from .report import FoldReport, FusionReport, RejectReport
 from .rewrite.batchnorm import Fold, Refusal, fold_batchnorm, lower_batchnorm
 from .rewrite.cleanup import fold_constants
+from .rewrite.layout import channels_last
 from .runtime import Runtime
 
 log = logging.getLogger("opfuse")
@@ -47,6 +48,8 @@ class Options:
     debug_dir: str | None = field(default_factory=lambda: os.environ.get("OPFUSE_DEBUG_DIR"))
     fold_batchnorm: bool = True
     freeze: bool = True  # parameters are constants (eval-mode opfuse.compile)
+    # "channels-last": frozen conv graphs run NHWC between convolutions; "keep": as captured.
+    layout: str = field(default_factory=lambda: os.environ.get("OPFUSE_LAYOUT") or "channels-last")
     # Force how epilogue groups run ("unfused", "blocked", "onednn", "onednn-nhwc") where
     # that is possible, instead of measuring: for tests and for bisecting.
     implementation: str | None = field(
@@ -87,7 +90,7 @@ def compile_graph(
     """Everything after capture: rewrite, fuse, lower, render, build, tune, plan."""
     opts = options or Options()
     t0 = time.perf_counter()
-    graph, folds, refusals = rewrite(graph, opts)
+    graph, folds, refusals, layout = rewrite(graph, opts)
     kinds = classify(graph)
     part = partition(graph, kinds, Fuel(opts.fuel))
     check_partition(graph, part)
@@ -102,6 +105,7 @@ def compile_graph(
     report.rejected = [RejectReport(r.producer, r.batchnorm, r.reason) for r in refusals] + (
         report.rejected
     )
+    report.layout = layout
     report.compile_seconds = time.perf_counter() - t0
     report.cached = module.cached
     if module.problem:
@@ -111,14 +115,19 @@ def compile_graph(
     return CompiledGraph(graph, Runtime(plan), report, module.source)
 
 
-def rewrite(graph: Graph, opts: Options) -> tuple[Graph, list[Fold], list[Refusal]]:
+def rewrite(graph: Graph, opts: Options) -> tuple[Graph, list[Fold], list[Refusal], str]:
     folds: list[Fold] = []
     refusals: list[Refusal] = []
     if opts.fold_batchnorm:
         graph, folds, refusals = fold_batchnorm(graph)
     graph = fold_constants(graph)
     graph = lower_batchnorm(graph)
-    return fold_constants(graph), folds, refusals
+    graph = fold_constants(graph)
+    layout = ""
+    if opts.layout == "channels-last":
+        relaid = channels_last(graph)
+        graph, layout = relaid.graph, relaid.note
+    return graph, folds, refusals, layout
 
 
 def tune(

@@ -62,6 +62,7 @@ class FusionReport:
     warnings: list[str] = field(default_factory=list)
     edges: list[EdgeReport] = field(default_factory=list)
     fusions: list[list[str]] = field(default_factory=list)  # [producer, consumer], in order
+    layout: str = ""  # the activation layout chosen for convolutions, and why
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,6 +96,7 @@ class FusionReport:
             self.warnings + other.warnings,
             edges,
             self.fusions + other.fusions,
+            "; ".join(x for x in (self.layout, other.layout) if x),
         )
 
     def patterns(self) -> dict[str, int]:
@@ -138,6 +140,8 @@ def format_table(r: FusionReport, width: int = 100) -> str:
         lines.append(f"fold: {f.batchnorm} -> {f.conv}")
     for rej in r.rejected:
         lines.append(f"not fused: {rej.producer} -> {rej.consumer}: {rej.reason}")
+    if r.layout:
+        lines.append(f"layout: {r.layout}")
     return "\n".join(lines)
 
 

@@ -241,35 +241,3 @@ def _conform(t: torch.Tensor, m: TensorMeta) -> torch.Tensor:
     out = torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=t.device)
     out.copy_(t)
     return out
-
-
-# -- memory planning ----------------------------------------------------------------------------
-def assign_pool(lifetimes: list[tuple[int, int, int]]) -> tuple[list[int], list[int]]:
-    """Best-fit block assignment. lifetimes: (first step, last step, nbytes) per buffer.
-    Returns the block of each buffer and the block sizes."""
-    order = sorted(range(len(lifetimes)), key=lambda i: lifetimes[i][0])
-    blocks: list[int] = []
-    free_at: list[int] = []  # step after which each block is free
-    result = [0] * len(lifetimes)
-    for i in order:
-        start, end, size = lifetimes[i]
-        best = None
-        for b in range(len(blocks)):
-            if free_at[b] < start and (
-                best is None or _fit(blocks[b], size) < _fit(blocks[best], size)
-            ):
-                best = b
-        if best is None:
-            blocks.append(size)
-            free_at.append(end)
-            result[i] = len(blocks) - 1
-        else:
-            blocks[best] = max(blocks[best], size)
-            free_at[best] = end
-            result[i] = best
-    return result, blocks
-
-
-def _fit(block: int, size: int) -> int:
-    """Smaller is better: waste if the block is big enough, else the growth needed."""
-    return block - size if block >= size else (size - block) * 4

@@ -18,12 +18,13 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from .models import GPT2Block, realistic
+from .models import GPT2Block, build, realistic
 
 
 def _status() -> dict[str, int]:
@@ -59,9 +60,19 @@ def _bn_train_step() -> tuple[nn.Module, tuple[Any, ...], bool]:
     return realistic(m).train(), (torch.randn(32, 64, 56, 56),), True
 
 
+def _model(name: str, batch: int) -> Callable[[], tuple[nn.Module, tuple[Any, ...], bool]]:
+    def make() -> tuple[nn.Module, tuple[Any, ...], bool]:
+        model, inputs = build(name, batch)
+        return model.eval(), inputs, False
+
+    return make
+
+
 CASES = {
     "pre-norm Transformer block inference (8x512x768)": _prenorm_block,
     "BatchNorm training step (32x64x56x56, conv-bn-relu x2)": _bn_train_step,
+    "resnet50 batch 8 inference": _model("resnet50", 8),
+    "bert_base batch 8 inference": _model("bert_base", 8),
 }
 CANDIDATES = ("eager", "inductor", "opfuse")
 

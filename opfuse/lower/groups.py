@@ -15,6 +15,7 @@ import torch
 
 from ..fusion.groups import Group, Partition
 from ..ir.graph import Graph, Node, bind
+from ..rewrite.layout import is_channels_last as channels_last
 from .epilogue import (
     GEMMS,
     GemmKernel,
@@ -67,7 +68,7 @@ def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candida
             plan = None
         elif plan is not None:
             cands["onednn"] = plan
-            if g.pattern == "conv_epilogue":
+            if g.pattern == "conv_epilogue" and not channels_last(g.anchor.tensor):
                 cands["onednn-nhwc"] = plan
         elif not any("oneDNN" in n for n in notes):
             notes.append("oneDNN: the epilogue is not a post-op it fuses")
@@ -85,6 +86,8 @@ def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candida
         and a.tensor.dtype in (torch.float32, torch.bfloat16)
     ):
         plan = OneDnnPlan(a, a)
+        if channels_last(a.tensor):  # the graph already runs NHWC
+            return {"torch": None, "onednn": plan}, notes
         return {"torch": None, "onednn": plan, "onednn-nhwc": plan}, notes
     return {}, notes
 

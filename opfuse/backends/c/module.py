@@ -13,6 +13,7 @@ from ...lower.epilogue import GemmKernel, OneDnnPlan, _const_root
 from ...lower.groups import Lowered
 from ...lower.kernel import Kernel
 from ...plan import Built, BuiltCall, BuiltGemm, BuiltKernel
+from ...rewrite.layout import is_channels_last
 from .build import BuildError, build
 from .gemm import GEMM_TYPES, blas, can_pack, pack_weight, render_gemm
 from .render import render_module
@@ -188,11 +189,18 @@ def _conv_call(graph: Graph, plan: OneDnnPlan, channels_last: bool) -> BuiltCall
             )
     except (RuntimeError, AttributeError):
         packed = weight
+    out_meta = plan.output.tensor
+    channels_last = channels_last or is_channels_last(out_meta)  # NHWC graph: stay NHWC
     if channels_last and dims not in (2, 3):
         return None
     fmt = (torch.channels_last if dims == 2 else torch.channels_last_3d) if channels_last else None
-    out_meta = plan.output.tensor
-    keep_layout = fmt is not None and out_meta.is_contiguous()
+    # oneDNN picks its output layout itself (NHWC for few channels even from NCHW input);
+    # callers and the memory plan expect the layout the graph inferred.
+    want = (
+        torch.contiguous_format
+        if out_meta.is_contiguous()
+        else (torch.channels_last if dims == 2 else torch.channels_last_3d)
+    )
     op = torch.ops.mkldnn._convolution_pointwise
     attr, scalars, alg = plan.unary or "none", list(plan.scalars), plan.algorithm
 
@@ -200,7 +208,7 @@ def _conv_call(graph: Graph, plan: OneDnnPlan, channels_last: bool) -> BuiltCall
         return t.contiguous(memory_format=fmt) if fmt is not None else t
 
     def fix(y: torch.Tensor) -> torch.Tensor:
-        return y.contiguous() if keep_layout else y
+        return y if y.is_contiguous(memory_format=want) else y.contiguous(memory_format=want)
 
     if plan.binary is None:
 

@@ -223,17 +223,7 @@ def _pass_body(
         b = f"{last.name}_b{number}"
         lines.append(f"{ind}int64_t {b} = {start};")
         lines.append(f"{ind}for (; {b} + {lanes} <= {stop}; {b} += {lanes}) {{")
-        for a in accs:
-            if a.combine == "welford":
-                t = VALUE[a.acc_dtype]
-                lines.append(f"{ind}  {a.name}_n += 1; const {t} {a.name}_inv = 1 / {a.name}_n;")
-        lines.append(f"{ind}  #pragma omp simd")
-        lines.append(f"{ind}  for (int l = 0; l < {lanes}; l++) {{")
-        lines.append(f"{ind}    const int64_t {last.name} = {b} + l;")
-        em.scopes.append({})
-        _accumulate(em, p, lines, ind + "    ", "l", tail=False)
-        em.scopes.pop()
-        lines.append(f"{ind}  }}")
+        _lane_loop(em, p, lines, ind + "  ", str(lanes), f"const int64_t {last.name} = {b} + l;")
         lines.append(f"{ind}}}")
         lines.append(
             f"{ind}for (int64_t {last.name} = {b}; {last.name} < {stop}; {last.name}++) {{"
@@ -329,6 +319,22 @@ def _reduction_clause_pass(
             )
     if welford:
         loop(" ".join(f"reduction(+:{a.name}_m2)" for a in welford), second)
+
+
+def _lane_loop(em: Emitter, p: Pass, lines: list[str], ind: str, count: str, lane: str) -> None:
+    """One step of every lane: Welford counts first (shared by the lanes), then a simd loop
+    over the lanes whose body starts with `lane` (the lane's position)."""
+    for a in p.accumulates:
+        if a.combine == "welford":
+            t = VALUE[a.acc_dtype]
+            lines.append(f"{ind}{a.name}_n += 1; const {t} {a.name}_inv = 1 / {a.name}_n;")
+    lines.append(f"{ind}#pragma omp simd")
+    lines.append(f"{ind}for (int l = 0; l < {count}; l++) {{")
+    lines.append(f"{ind}  {lane}")
+    em.scopes.append({})
+    _accumulate(em, p, lines, ind + "  ", "l", tail=False)
+    em.scopes.pop()
+    lines.append(f"{ind}}}")
 
 
 def _accumulate(em: Emitter, p: Pass, lines: list[str], ind: str, lane: str, tail: bool) -> None:
@@ -468,17 +474,7 @@ def columns(k: Kernel, lines: list[str]) -> None:
         for v in k.inner:
             lines.append(for_loop(v, ind))
             ind += "  "
-        for a in p.accumulates:
-            if a.combine == "welford":
-                t = VALUE[a.acc_dtype]
-                lines.append(f"{ind}{a.name}_n += 1; const {t} {a.name}_inv = 1 / {a.name}_n;")
-        lines.append(f"{ind}#pragma omp simd")
-        lines.append(f"{ind}for (int l = 0; l < nl; l++) {{")
-        lines.append(f"{ind}  {lane}")
-        em.scopes.append({})
-        _accumulate(em, p, lines, ind + "  ", "l", tail=False)
-        em.scopes.pop()
-        lines.append(f"{ind}}}")
+        _lane_loop(em, p, lines, ind, "nl", lane)
         for _ in k.inner:
             ind = ind[:-2]
             lines.append(f"{ind}}}")
