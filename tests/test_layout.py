@@ -88,3 +88,12 @@ def test_training_graphs_keep_their_layout() -> None:
     x = torch.randn(2, 3, 16, 16)
     report = opfuse.explain(m, (x,))
     assert "channels-last" not in report.layout
+
+
+def test_single_convolution_keeps_nchw() -> None:
+    """Nothing to gain: the copy back to NCHW would cost more than the reorders it spares."""
+    m, x = nn.Sequential(nn.Conv2d(8, 8, 3), nn.ReLU()).eval(), torch.randn(2, 8, 12, 12)
+    fast = opfuse.compile(m, (x,))
+    assert fast.report.layout.startswith("layout kept NCHW: channels-last would spare 0")
+    assert fast.report.kernels_after == 1
+    assert_matches_eager(m, fast(x), (x,))

@@ -53,6 +53,19 @@ def channels_last(graph: Graph) -> Relayout:
         return Relayout(graph, 0, f"layout kept NCHW: {e}")
     except Exception as e:  # an op whose meta function rejects the new layout
         return Relayout(graph, 0, f"layout kept NCHW: {type(e).__name__}: {e}"[:300])
+    # Each convolution fed channels-last saves oneDNN two reorders (its input, and the
+    # output of the convolution before it); each copy back to NCHW costs one.
+    fed = sum(1 for n in new.nodes if n.op == CONV and is_channels_last(bind(n)["input"].tensor))
+    copies = sum(1 for n in new.nodes if n.op == "aten.clone.default") - sum(
+        1 for n in graph.nodes if n.op == "aten.clone.default"
+    )
+    if 2 * fed <= copies:
+        return Relayout(
+            graph,
+            0,
+            f"layout kept NCHW: channels-last would spare {2 * fed} reorders "
+            f"and cost {copies} copies",
+        )
     return Relayout(
         new, len(convs), f"channels-last: {len(convs)} convolutions and the ops between them"
     )
