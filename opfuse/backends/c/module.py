@@ -176,23 +176,15 @@ def _conv_call(graph: Graph, plan: OneDnnPlan, channels_last: bool) -> BuiltCall
         a["groups"],
     )
     dims = weight.ndim - 2
-    in_shape = list(x.tensor.shape)
-    packed: Any = weight
-    try:
-        if dims == 2:
-            packed = torch._C._nn.mkldnn_reorder_conv2d_weight(  # type: ignore[call-arg]
-                weight.to_mkldnn(), padding, stride, dilation, groups, in_shape
-            )
-        elif dims == 3:
-            packed = torch._C._nn.mkldnn_reorder_conv3d_weight(  # type: ignore[call-arg]
-                weight.to_mkldnn(), padding, stride, dilation, groups, in_shape
-            )
-    except (RuntimeError, AttributeError):
-        packed = weight
     out_meta = plan.output.tensor
     channels_last = channels_last or is_channels_last(out_meta)  # NHWC graph: stay NHWC
     if channels_last and dims not in (2, 3):
         return None
+    packed: Any = weight
+    if channels_last:
+        # Prepacked (blocked) weights make oneDNN write NHWC; with NCHW wanted the plain
+        # weight is faster than a packed convolution plus a copy back.
+        packed = _prepack(weight, dims, a, list(x.tensor.shape))
     fmt = (torch.channels_last if dims == 2 else torch.channels_last_3d) if channels_last else None
     # oneDNN picks its output layout itself (NHWC for few channels even from NCHW input);
     # callers and the memory plan expect the layout the graph inferred.
@@ -241,6 +233,24 @@ def _conv_call(graph: Graph, plan: OneDnnPlan, channels_last: bool) -> BuiltCall
         )
 
     return BuiltCall(call2, [x, plan.other], plan.output)
+
+
+def _prepack(weight: torch.Tensor, dims: int, a: dict[str, Any], in_shape: list[int]) -> Any:
+    reorder = {
+        2: torch._C._nn.mkldnn_reorder_conv2d_weight,
+        3: torch._C._nn.mkldnn_reorder_conv3d_weight,
+    }[dims]
+    try:
+        return reorder(  # type: ignore[call-arg]
+            weight.to_mkldnn(),
+            list(a["padding"]),
+            list(a["stride"]),
+            list(a["dilation"]),
+            a["groups"],
+            in_shape,
+        )
+    except (RuntimeError, AttributeError):
+        return weight
 
 
 def _describe(c: object) -> str:
