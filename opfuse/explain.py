@@ -141,12 +141,12 @@ def _implementation(g: Group, b: Built | None) -> tuple[str, bool]:
         return f"{b.kernel.name}_blocked_{g.id}", True
     if isinstance(b, BuiltCall):
         label = ", ".join(dict.fromkeys(n.op.split(".")[1] for n in g.nodes))
-        return f"onednn({label})", True
+        return f"{b.library}({label})", True
     if isinstance(b, BuiltKernel):
         name = f"{b.kernel.name}_{g.id}"
         if g.pattern in ("gemm_epilogue", "conv_epilogue"):
-            name = f"{b.kernel.name}_unfused_{g.id}"
-            return name, False
+            how = "mkl_unfused" if b.anchor_call is not None else "unfused"
+            return f"{b.kernel.name}_{how}_{g.id}", False
         return name, True
     return ", ".join(dict.fromkeys(n.op for n in g.nodes)), False
 

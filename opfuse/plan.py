@@ -32,6 +32,7 @@ class BuiltKernel:
 
     kernel: Kernel
     fn: Any
+    anchor_call: BuiltCall | None = None  # how the anchor runs; None: with torch
 
 
 @dataclass
@@ -52,6 +53,7 @@ class BuiltCall:
     call: Callable[..., Any]
     inputs: list[Node]
     output: Node
+    library: str = "onednn"  # what the report calls it
 
 
 Built = BuiltKernel | BuiltGemm | BuiltCall
@@ -182,7 +184,9 @@ def build_plan(graph: Graph, part: Partition, built: Mapping[int, Built]) -> Pla
             p.kernel_step(k.name, b.fn, args, reads + epi_reads)
             p.produced(args)
         else:
-            if g.anchor is not None and g.pattern in ("gemm_epilogue", "conv_epilogue"):
+            if b.anchor_call is not None:
+                p.call_step(b.anchor_call)
+            elif g.anchor is not None and g.pattern in ("gemm_epilogue", "conv_epilogue"):
                 p.torch_step(g.anchor)  # unfused: the library call, then the epilogue kernel
             args, reads = p.kernel_args(b.kernel)
             p.kernel_step(b.kernel.name, b.fn, args, reads)
@@ -194,23 +198,31 @@ def build_plan(graph: Graph, part: Partition, built: Mapping[int, Built]) -> Pla
     for out in graph.outputs:
         if isinstance(out, Node):
             p.need(out)
-    sizes = _plan_memory(graph, p)
+    sizes, frees = _plan_memory(graph, p)
     return Plan(
         n_slots=len(graph.nodes),
         input_slots=[p.slot[i] for i in graph.inputs],
         outputs=[Slot(p.slot[o]) if isinstance(o, Node) else o for o in graph.outputs],
-        constants={p.slot[n]: graph.constants[n.name] for n in graph.nodes if n.op == CONSTANT},
+        # Only constants a step reads: weights the chosen implementations prepacked are not
+        # kept twice.
+        constants={
+            p.slot[n]: graph.constants[n.name]
+            for n in graph.nodes
+            if n.op == CONSTANT and (n in p.readers or n in graph.output_set)
+        },
         steps=p.steps,
         pool_sizes=sizes,
+        frees=frees,
     )
 
 
-def _plan_memory(graph: Graph, p: _Planner) -> list[int]:
+def _plan_memory(graph: Graph, p: _Planner) -> tuple[list[int], list[tuple[int, ...]]]:
     """Assign pool blocks to kernel intermediates and scratch, greedily in step order. An
     intermediate lives until the last read of it or of any alias of it; one that escapes
     (is, or has a view that is, a graph output) gets fresh memory per call. An output may
     take its input's block when the kernel allows it (in place) and this is that input's
-    last read."""
+    last read, or the input itself when torch made it and nothing else can still see it.
+    Also returns, per step, the slots that are dead after it."""
     alias_of: dict[Node, Node] = {}
     for s in p.steps:
         if isinstance(s, TorchStep):
@@ -223,6 +235,14 @@ def _plan_memory(graph: Graph, p: _Planner) -> list[int]:
     for n, rs in p.readers.items():
         base = alias_of.get(n, n)
         last_read[base] = max(last_read.get(base, -1), *rs)
+    aliases: dict[Node, list[Node]] = {}
+    for n, base in alias_of.items():
+        aliases.setdefault(base, []).append(n)
+    frees: list[list[int]] = [[] for _ in p.steps]
+    for n in p.ready:
+        base = alias_of.get(n, n)
+        if base not in escapes and base in last_read:
+            frees[last_read[base]].append(p.slot[n])
     sizes: list[int] = []
     free_at: list[int] = []  # step after which each block is free
     block_of: dict[Node, int] = {}
@@ -253,11 +273,22 @@ def _plan_memory(graph: Graph, p: _Planner) -> list[int]:
             if not isinstance(a, Out):
                 continue
             node = graph.nodes[a.slot]
+            src = step.args[partner[ai]] if ai in partner else None
+            if isinstance(src, In) and _stealable(
+                p, step, si, src, a, alias_of, escapes, last_read
+            ):
+                base = alias_of.get(graph.nodes[src.slot], graph.nodes[src.slot])
+                a.steal = partner[ai]
+                a.clear = tuple(
+                    p.slot[x]
+                    for x in [base, *aliases.get(base, [])]
+                    if x in p.slot and p.slot[x] != src.slot
+                )
+                continue
             if node in escapes or not isinstance(node.meta, TensorMeta):
                 continue
             end = last_read.get(node, si)
             size = _storage_bytes(a.meta)
-            src = step.args[partner[ai]] if ai in partner else None
             if isinstance(src, In):
                 src_node = graph.nodes[src.slot]
                 blk = block_of.get(src_node)
@@ -269,7 +300,43 @@ def _plan_memory(graph: Graph, p: _Planner) -> list[int]:
                     continue
             a.block = best_fit(si, end, size)
             block_of[node] = a.block
-    return sizes
+    return sizes, [tuple(f) for f in frees]
+
+
+def _stealable(
+    p: _Planner,
+    step: KernelStep,
+    si: int,
+    src: In,
+    out: Out,
+    alias_of: dict[Node, Node],
+    escapes: set[Node],
+    last_read: dict[Node, int],
+) -> bool:
+    """May `out` be written over `src`'s tensor? Only a fresh torch result (not an input, a
+    constant or a view of one), dead after this step, read by no other argument here, with
+    the same elements at the same addresses. The runtime still checks that nothing else
+    holds it."""
+    g = p.g
+    node = g.nodes[src.slot]
+    base = alias_of.get(node, node)
+    if (
+        base not in p.torch_made
+        or base.op in (INPUT, CONSTANT)
+        or base in escapes
+        or last_read.get(base) != si
+        or not _same_order(src.meta, out.meta)
+    ):
+        return False
+    others = [a for a in step.args if isinstance(a, In) and a is not src]
+    return all(alias_of.get(g.nodes[a.slot], g.nodes[a.slot]) is not base for a in others)
+
+
+def _same_order(a: TensorMeta, b: TensorMeta) -> bool:
+    """Do a and b lay the same elements out at the same addresses?"""
+    if a.dtype != b.dtype or a.numel != b.numel:
+        return False
+    return (a.shape, a.stride) == (b.shape, b.stride) or (a.is_contiguous() and b.is_contiguous())
 
 
 def _fit(block: int, size: int) -> int:

@@ -37,6 +37,11 @@ class Out:
     slot: int
     meta: TensorMeta
     block: int | None = None  # pooled block, or None: a fresh tensor per call
+    # Write over the In at this argument position when, at run time, nothing else holds
+    # it (a torch-made intermediate read here for the last time); `clear` are the slots of
+    # its other, dead, aliases.
+    steal: int | None = None
+    clear: tuple[int, ...] = ()
 
 
 @dataclass
@@ -94,6 +99,9 @@ class Plan:
     constants: dict[int, Any]
     steps: list[Step]
     pool_sizes: list[int]  # bytes per pooled block
+    # Slots dead after each step: dropping them frees torch-made intermediates as eager
+    # would, instead of holding every one until the call returns.
+    frees: list[tuple[int, ...]] = field(default_factory=list)
     notes: dict[str, Any] = field(default_factory=dict)
 
 
@@ -170,6 +178,7 @@ class Runtime:
         for s, v in zip(plan.input_slots, inputs):
             env[s] = v
         nthreads = torch.get_num_threads()
+        frees = plan.frees or [()] * len(plan.steps)
         for si, step in enumerate(plan.steps):
             if type(step) is KernelStep:
                 arr = f.arrays[si]
@@ -180,7 +189,11 @@ class Runtime:
                             t = env[a.slot] = _conform(t, a.meta)
                         arr[ai] = t.data_ptr()
                     elif a.block is None:  # fresh output
-                        t = _fresh(f.recycle, (si, ai), a.meta)
+                        t = None  # no stray reference to what _take may reuse
+                        if a.steal is not None:
+                            t = _take(env, a, step.args[a.steal])
+                        if t is None:
+                            t = _fresh(f.recycle, (si, ai), a.meta)
                         arr[ai] = t.data_ptr()
                         env[a.slot] = t
                     else:
@@ -193,6 +206,10 @@ class Runtime:
                 args = _resolve(step.args, env)
                 kwargs = {k: _resolve(v, env) for k, v in step.kwargs.items()}
                 env[step.output] = step.fn(*args, **kwargs)
+                args = kwargs = None  # type: ignore[assignment]
+            t = None
+            for s in frees[si]:
+                env[s] = None
         return [env[s.index] if type(s) is Slot else s for s in plan.outputs]
 
 
@@ -218,6 +235,26 @@ def _fresh(
     t = torch.empty_strided(m.shape, m.stride, dtype=m.dtype)
     cache[key] = t
     return t
+
+
+def _take(env: list[Any], a: Out, src: KernelArg) -> torch.Tensor | None:
+    """The input tensor itself as the output, if nobody but env holds it or its storage."""
+    assert isinstance(src, In)
+    for s in a.clear:  # never src.slot: the kernel about to run reads it
+        env[s] = None
+    t = env[src.slot]
+    if (
+        type(t) is torch.Tensor
+        and sys.getrefcount(t) <= 3  # env, t, getrefcount's argument
+        and _storage_use_count(t.untyped_storage()._cdata) <= 2
+        and t.dtype == a.meta.dtype
+        and t.numel() == a.meta.numel
+    ):
+        if tuple(t.shape) == a.meta.shape and tuple(t.stride()) == a.meta.stride:
+            return t
+        if t.is_contiguous() and a.meta.is_contiguous():
+            return t.view(a.meta.shape)
+    return None
 
 
 def _typed(block: torch.Tensor, m: TensorMeta) -> torch.Tensor:

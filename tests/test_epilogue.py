@@ -44,7 +44,7 @@ def anchored(r: opfuse.FusionReport, pattern: str) -> list[Any]:
     return [g for g in r.groups if g.pattern == pattern]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", [*IMPLS, "mkl-unfused"])
 @pytest.mark.parametrize("epi", sorted(EPILOGUES))
 def test_linear_epilogues(epi: str, impl: str | None) -> None:
     torch.manual_seed(0)
@@ -153,8 +153,9 @@ def test_report_says_which_implementation_and_why() -> None:
         "blocked",
         "onednn",
         "unfused",
+        "mkl-unfused",
     )
-    for name in ("blocked", "unfused", "onednn"):
+    for name in ("blocked", "unfused", "onednn", "mkl-unfused"):
         assert name in g.implementation  # every candidate was timed
     # the decision is cached with the kernels: the second compile does not time again
     r2 = opfuse.explain(lin, torch.randn(64, 64))
@@ -203,3 +204,23 @@ def test_resnet_bottleneck_block() -> None:
     r = run(m, (torch.randn(2, 32, 8, 8),), None)
     assert len(r.folds) == 3
     assert [g.pattern for g in r.groups] == ["conv_epilogue"] * 3, str(r)
+
+
+@pytest.mark.parametrize("impl", [None, "torch", "mkl", "blocked"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_lone_linear_runs_as_packed_mkl_or_blocked(impl: str | None, bias: bool) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(48, 40, bias=bias)
+    r = run(lin, (torch.randn(3, 11, 48),), impl)
+    (g,) = [g for g in r.groups if g.pattern == "library"]
+    if impl == "mkl":
+        assert g.kernel == f"mkl({'addmm' if bias else 'mm'})"
+
+
+def test_epilogue_after_packed_mkl_gemm() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(48, 40)
+    r = run(lambda x: F.gelu(lin(x)) + 1.0, (torch.randn(37, 48),), "mkl-unfused")
+    (g,) = anchored(r, "gemm_epilogue")
+    assert g.kernel.startswith("fused_") and "_mkl_unfused_" in g.kernel
+    assert r.kernels_after == 2  # the packed GEMM, then one kernel for the whole epilogue

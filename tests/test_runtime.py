@@ -228,3 +228,77 @@ def test_debug_dir_gets_source_and_table(tmp_path, monkeypatch) -> None:  # type
     assert files == [".c", ".json", ".txt"]
     src = next((tmp_path / "dbg").glob("*.c")).read_text()
     assert "fused_mul_add_tanh_relu" in src and "#pragma omp" in src
+
+
+def _dead_reads(plan) -> list[str]:  # type: ignore[no-untyped-def]
+    """Slots a step reads after an earlier step declared them dead."""
+    from opfuse.runtime import In, KernelStep, Slot, TorchStep
+
+    dead: set[int] = set()
+    bad = []
+
+    def slots(v):  # type: ignore[no-untyped-def]
+        if isinstance(v, Slot):
+            yield v.index
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                yield from slots(x)
+
+    for si, step in enumerate(plan.steps):
+        if isinstance(step, KernelStep):
+            read = [a.slot for a in step.args if isinstance(a, In)]
+        else:
+            assert isinstance(step, TorchStep)
+            read = [*slots(step.args), *slots(list(step.kwargs.values()))]
+        bad += [f"step {si} reads dead slot {s}" for s in read if s in dead]
+        dead |= set(plan.frees[si])
+    bad += [
+        f"output slot {s.index} is dead"
+        for s in plan.outputs
+        if isinstance(s, Slot) and s.index in dead
+    ]
+    return bad
+
+
+def test_torch_made_intermediates_are_dropped_and_overwritten_in_place() -> None:
+    """A torch result read for the last time by a kernel is released after it, or written
+    over by the kernel's output; nothing dead is read again."""
+
+    def f(x, w):  # type: ignore[no-untyped-def]
+        h = torch.nn.functional.gelu(x @ w)  # mm: torch; gelu may write over its result
+        return torch.cumsum(h, 1).sigmoid() + h
+
+    m = Fn(f).eval()
+    args = (torch.randn(64, 32), torch.randn(32, 48))
+    fast = opfuse.compile(m, args, options=pipeline.Options(implementation="unfused"))
+    plan = fast._first.compiled.run.plan
+    assert _dead_reads(plan) == []
+    assert any(plan.frees), "dead torch results should be released during the call"
+    stolen = [
+        a
+        for s in plan.steps
+        for a in getattr(s, "args", [])
+        if getattr(a, "steal", None) is not None
+    ]
+    assert stolen, "gelu should be allowed to write over the mm result"
+    for _ in range(3):  # steady state: the stolen buffer is reused safely every call
+        assert_matches_eager(m, fast(*args), args)
+
+
+def test_training_plans_never_read_dead_slots() -> None:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(
+        torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)
+    )
+    from opfuse import runtime as rt
+
+    before = set(rt._LIVE)
+    x = torch.randn(5, 8, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    torch.compile(m, backend="opfuse")(x).sum().backward()
+    g = x.grad
+    m.zero_grad()
+    m(x2).sum().backward()
+    torch.testing.assert_close(g, x2.grad)
+    for r in set(rt._LIVE) - before:
+        assert _dead_reads(r.plan) == []

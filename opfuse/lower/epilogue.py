@@ -236,6 +236,15 @@ BINARY = {
 
 
 @dataclass(frozen=True)
+class PackedThenKernel:
+    """The anchor as MKL's packed GEMM (weight packed once), then the unfused epilogue
+    kernel: the unfused implementation without torch's per-call weight handling."""
+
+    anchor: Node
+    kernel: Kernel
+
+
+@dataclass(frozen=True)
 class OneDnnPlan:
     anchor: Node
     output: Node  # the value the fused call produces (the last epilogue op)

@@ -4,7 +4,8 @@ elementwise / reduction groups: one generated kernel.
 epilogue groups: "unfused" always (library call + epilogue kernel); "blocked" (GEMM tiles
 with the epilogue in cache) when BLAS can run the matmul; "onednn" when the epilogue is a
 post-op oneDNN fuses. A lone convolution may run as torch's call or as oneDNN with its
-weight prepacked.
+weight prepacked; a lone matmul with a frozen weight as torch's call, MKL's packed GEMM
+("mkl") or the blocked GEMM.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from .epilogue import (
     GEMMS,
     GemmKernel,
     OneDnnPlan,
+    PackedThenKernel,
     _const_root,
     lower_blocked,
     lower_unfused,
@@ -28,7 +30,7 @@ from .epilogue import (
 from .kernel import Kernel
 from .lowering import NotFusable, lower_group
 
-Candidate = Kernel | GemmKernel | OneDnnPlan | None  # None: run with torch
+Candidate = Kernel | GemmKernel | OneDnnPlan | PackedThenKernel | None  # None: torch
 
 
 @dataclass
@@ -56,7 +58,12 @@ def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candida
             return {}, [f"could not be lowered: {e}"]
     if g.pattern in ("gemm_epilogue", "conv_epilogue"):
         assert g.anchor is not None
-        cands: dict[str, Candidate] = {"unfused": lower_unfused(graph, g.anchor, g.nodes)}
+        unfused = lower_unfused(graph, g.anchor, g.nodes)
+        cands: dict[str, Candidate] = {"unfused": unfused}
+        if g.anchor.op in ("aten.addmm.default", "aten.mm.default") and _constant_weights(
+            graph, g.anchor
+        ):
+            cands["mkl-unfused"] = PackedThenKernel(g.anchor, unfused)
         if g.pattern == "gemm_epilogue":
             try:
                 cands["blocked"] = lower_blocked(graph, g.anchor, g.nodes, threads)
@@ -75,10 +82,14 @@ def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candida
         return cands, notes
     a = g.anchor
     if g.pattern == "library" and a is not None and a.op in GEMMS:
+        cands = {"torch": None}
+        if a.op != "aten.bmm.default" and _constant_weights(graph, a):
+            cands["mkl"] = OneDnnPlan(a, a)  # packed MKL GEMM, as inductor's freezing runs it
         try:
-            return {"torch": None, "blocked": lower_blocked(graph, a, [a], threads)}, notes
+            cands["blocked"] = lower_blocked(graph, a, [a], threads)
         except NotFusable as e:
-            return {}, [f"blocked GEMM: {e}"]
+            notes.append(f"blocked GEMM: {e}")
+        return cands, notes
     if (
         g.pattern == "library"
         and a is not None

@@ -108,7 +108,9 @@ def pack_weight(k: GemmKernel, weight: torch.Tensor) -> tuple[torch.Tensor, list
         offsets.append(total)
         sizes.append(size)
         total += -(-size // 16) * 16  # 64-byte aligned blocks
-    buf = torch.zeros(total, dtype=torch.float32)
+    # empty, not zeros: MKL reports a generous size (megabytes even for a small tile) and
+    # writes only what it uses; untouched pages never become resident.
+    buf = torch.empty(total, dtype=torch.float32)
     base = weight.data_ptr()
     elt = weight.element_size()
     for n0, off in zip(range(0, spec.n, k.tile_n), offsets):

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from ...ir.graph import Graph, Node, bind
-from ...lower.epilogue import GemmKernel, OneDnnPlan, _const_root
+from ...lower.epilogue import GemmKernel, OneDnnPlan, PackedThenKernel, _const_root
 from ...lower.groups import Lowered
 from ...lower.kernel import Kernel
 from ...plan import Built, BuiltCall, BuiltGemm, BuiltKernel
@@ -50,6 +50,9 @@ def build_module(graph: Graph, lowered: Lowered) -> Module:
                 name = f"{c.name}_{cname}_{gid}"
                 names[(gid, cname)] = name
                 gemms.append((name, c, offsets))
+        for cname, c in cands.items():  # the same epilogue kernel as "unfused"
+            if isinstance(c, PackedThenKernel) and (gid, "unfused") in names:
+                names[(gid, cname)] = names[(gid, "unfused")]
     source = render_module(kernels)
     rendered = {name: render_module([(name, k)]) for name, k in kernels}
     for n, k, o in gemms:
@@ -79,7 +82,10 @@ def build_module(graph: Graph, lowered: Lowered) -> Module:
                 built[cname] = None
             elif isinstance(c, OneDnnPlan):
                 try:
-                    call = onednn_call(graph, c, channels_last=cname.endswith("nhwc"))
+                    if cname == "mkl":
+                        call = mkl_linear_call(graph, c)
+                    else:
+                        call = onednn_call(graph, c, channels_last=cname.endswith("nhwc"))
                 except RuntimeError:  # oneDNN refuses this dtype or layout: not a candidate
                     call = None
                 if call is not None:
@@ -88,6 +94,10 @@ def build_module(graph: Graph, lowered: Lowered) -> Module:
                 continue
             elif isinstance(c, Kernel):
                 built[cname] = BuiltKernel(c, lib.fn(names[(gid, cname)]))
+            elif isinstance(c, PackedThenKernel) and (gid, cname) in names:
+                first = mkl_linear_call(graph, OneDnnPlan(c.anchor, c.anchor))
+                if first is not None:
+                    built[cname] = BuiltKernel(c.kernel, lib.fn(names[(gid, cname)]), first)
             elif isinstance(c, GemmKernel) and b is not None:
                 pk = packed.get((gid, cname))
                 fn_addr = b.sgemm_compute if pk is not None else b.sgemm
@@ -117,6 +127,34 @@ def onednn_call(graph: Graph, plan: OneDnnPlan, channels_last: bool = False) -> 
     if a.op == "aten.convolution.default":
         return _conv_call(graph, plan, channels_last)
     return _linear_call(graph, plan)
+
+
+def mkl_linear_call(graph: Graph, plan: OneDnnPlan) -> BuiltCall | None:
+    """addmm / mm with a frozen weight as MKL's packed GEMM (what inductor's freezing
+    uses): the weight is packed once here instead of on every call."""
+    a = bind(plan.anchor)
+    x, mat2 = a["mat1"] if "mat1" in a else a["self"], a["mat2"]
+    w_t = _const(graph, mat2)
+    addmm = plan.anchor.op == "aten.addmm.default"
+    bias = _const(graph, a["self"]) if addmm else None
+    if (
+        w_t is None
+        or w_t.dtype != torch.float32
+        or x.tensor.dtype != torch.float32
+        or (addmm and (bias is None or bias.ndim != 1 or a.get("alpha", 1) != 1))
+        or (addmm and a.get("beta", 1) != 1)
+        or not hasattr(torch.ops, "mkl")
+    ):
+        return None
+    weight = w_t.t().contiguous()  # [out, in], as nn.Linear holds it
+    rows = x.tensor.shape[0]
+    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
+    op = torch.ops.mkl._mkl_linear
+
+    def call(xv: torch.Tensor) -> torch.Tensor:
+        return op(xv, packed, weight, bias, rows)
+
+    return BuiltCall(call, [x], plan.output, library="mkl")
 
 
 def _const(graph: Graph, n: Node | None) -> torch.Tensor | None:
