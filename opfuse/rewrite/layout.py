@@ -47,8 +47,9 @@ def channels_last(graph: Graph) -> Relayout:
     convs = [n for n in graph.nodes if n.op == CONV and _eligible(graph, n)]
     if not convs:
         return Relayout(graph, 0, "")
+    relayer = _Relayer(graph)
     try:
-        new = _Relayer(graph).rebuild({bind(c)["weight"] for c in convs})
+        new = relayer.rebuild({bind(c)["weight"] for c in convs})
     except _Decline as e:
         return Relayout(graph, 0, f"layout kept NCHW: {e}")
     except Exception as e:  # an op whose meta function rejects the new layout
@@ -56,9 +57,7 @@ def channels_last(graph: Graph) -> Relayout:
     # Each convolution fed channels-last saves oneDNN two reorders (its input, and the
     # output of the convolution before it); each copy back to NCHW costs one.
     fed = sum(1 for n in new.nodes if n.op == CONV and is_channels_last(bind(n)["input"].tensor))
-    copies = sum(1 for n in new.nodes if n.op == "aten.clone.default") - sum(
-        1 for n in graph.nodes if n.op == "aten.clone.default"
-    )
+    copies = len(relayer.copies)
     if 2 * fed <= copies:
         return Relayout(
             graph,

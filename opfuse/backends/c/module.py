@@ -132,21 +132,12 @@ def onednn_call(graph: Graph, plan: OneDnnPlan, channels_last: bool = False) -> 
 def mkl_linear_call(graph: Graph, plan: OneDnnPlan) -> BuiltCall | None:
     """addmm / mm with a frozen weight as MKL's packed GEMM (what inductor's freezing
     uses): the weight is packed once here instead of on every call."""
-    a = bind(plan.anchor)
-    x, mat2 = a["mat1"] if "mat1" in a else a["self"], a["mat2"]
-    w_t = _const(graph, mat2)
-    addmm = plan.anchor.op == "aten.addmm.default"
-    bias = _const(graph, a["self"]) if addmm else None
-    if (
-        w_t is None
-        or w_t.dtype != torch.float32
-        or x.tensor.dtype != torch.float32
-        or (addmm and (bias is None or bias.ndim != 1 or a.get("alpha", 1) != 1))
-        or (addmm and a.get("beta", 1) != 1)
-        or not hasattr(torch.ops, "mkl")
-    ):
+    frozen = _frozen_linear(graph, plan.anchor)
+    if frozen is None or not hasattr(torch.ops, "mkl"):
         return None
-    weight = w_t.t().contiguous()  # [out, in], as nn.Linear holds it
+    x, weight, bias = frozen
+    if weight.dtype != torch.float32 or x.tensor.dtype != torch.float32:
+        return None
     rows = x.tensor.shape[0]
     packed = torch.ops.mkl._mkl_reorder_linear_weight(weight, rows)
     op = torch.ops.mkl._mkl_linear
@@ -155,6 +146,25 @@ def mkl_linear_call(graph: Graph, plan: OneDnnPlan) -> BuiltCall | None:
         return op(xv, packed, weight, bias, rows)
 
     return BuiltCall(call, [x], plan.output, library="mkl")
+
+
+def _frozen_linear(
+    graph: Graph, anchor: Node
+) -> tuple[Node, torch.Tensor, torch.Tensor | None] | None:
+    """(input, weight as nn.Linear holds it [out, in], 1-D bias or None) of an addmm / mm
+    whose weight and bias are frozen constants and which scales nothing; else None."""
+    a = bind(anchor)
+    addmm = anchor.op == "aten.addmm.default"
+    x = a["mat1"] if addmm else a["self"]
+    w_t = _const(graph, a["mat2"])
+    if w_t is None:
+        return None
+    bias = _const(graph, a.get("self")) if addmm else None
+    if addmm and (bias is None or a.get("alpha", 1) != 1 or a.get("beta", 1) != 1):
+        return None
+    if bias is not None and bias.ndim != 1:
+        return None
+    return x, w_t.t().contiguous(), bias
 
 
 def _const(graph: Graph, n: Node | None) -> torch.Tensor | None:
@@ -166,20 +176,10 @@ def _const(graph: Graph, n: Node | None) -> torch.Tensor | None:
 
 
 def _linear_call(graph: Graph, plan: OneDnnPlan) -> BuiltCall | None:
-    a = bind(plan.anchor)
-    x = a["mat1"] if plan.anchor.op == "aten.addmm.default" else a["self"]
-    mat2 = a["mat2"]
-    w_t = _const(graph, mat2)
-    if w_t is None:
+    frozen = _frozen_linear(graph, plan.anchor)  # oneDNN takes the [out, in] layout
+    if frozen is None:
         return None
-    weight = w_t.t().contiguous()  # oneDNN takes the nn.Linear layout [out, in]
-    bias = _const(graph, a.get("self")) if plan.anchor.op == "aten.addmm.default" else None
-    if plan.anchor.op == "aten.addmm.default" and (
-        bias is None or a.get("alpha", 1) != 1 or a.get("beta", 1) != 1
-    ):
-        return None
-    if bias is not None and bias.ndim != 1:
-        return None
+    x, weight, bias = frozen
     out_shape = plan.output.tensor.shape
     n = weight.shape[0]
     op = torch.ops.mkldnn._linear_pointwise
@@ -223,14 +223,11 @@ def _conv_call(graph: Graph, plan: OneDnnPlan, channels_last: bool) -> BuiltCall
         # Prepacked (blocked) weights make oneDNN write NHWC; with NCHW wanted the plain
         # weight is faster than a packed convolution plus a copy back.
         packed = _prepack(weight, dims, a, list(x.tensor.shape))
-    fmt = (torch.channels_last if dims == 2 else torch.channels_last_3d) if channels_last else None
+    cl = torch.channels_last if dims == 2 else torch.channels_last_3d
+    fmt = cl if channels_last else None
     # oneDNN picks its output layout itself (NHWC for few channels even from NCHW input);
     # callers and the memory plan expect the layout the graph inferred.
-    want = (
-        torch.contiguous_format
-        if out_meta.is_contiguous()
-        else (torch.channels_last if dims == 2 else torch.channels_last_3d)
-    )
+    want = torch.contiguous_format if out_meta.is_contiguous() else cl
     op = torch.ops.mkldnn._convolution_pointwise
     attr, scalars, alg = plan.unary or "none", list(plan.scalars), plan.algorithm
 
