@@ -133,7 +133,8 @@ def mkl_linear_call(graph: Graph, plan: OneDnnPlan) -> BuiltCall | None:
     """addmm / mm with a frozen weight as MKL's packed GEMM (what inductor's freezing
     uses): the weight is packed once here instead of on every call."""
     frozen = _frozen_linear(graph, plan.anchor)
-    if frozen is None or not hasattr(torch.ops, "mkl"):
+    # torch.ops namespaces always exist; ask for the op itself (absent without MKL)
+    if frozen is None or not hasattr(torch.ops.mkl, "_mkl_linear"):
         return None
     x, weight, bias = frozen
     if weight.dtype != torch.float32 or x.tensor.dtype != torch.float32:
