@@ -129,6 +129,19 @@ def test_variance_is_stable_for_large_means() -> None:
     assert_matches_eager(m, (var, ln), (x,))
 
 
+@pytest.mark.parametrize("n", [100, 512, 4096, 1 << 20, (1 << 20) + 37])
+def test_float_sums_fold_float32_runs_into_float64(n: int) -> None:
+    # Runs of 512 float32 values, then float64: float32's vector speed, float64's accuracy.
+    x = torch.randn(3, n, dtype=torch.float64).mul(0.1).add(1e3).float()
+    fn = lambda a: (a * a).sum(-1)
+    src = source(fn, x)
+    assert "float acc0_run" in src and "double acc0_value" in src
+    out = opfuse.compile(Fn(fn).eval(), (x,))(x)
+    exact = (x.double() * x.double()).sum(-1)
+    assert ((out.double() - exact).abs() / exact).max() < 1e-6  # float32 eps is 1.2e-7
+    assert_no_worse(out, fn(x), exact)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_sums_accumulate_in_float(dtype: torch.dtype) -> None:
     x = (torch.rand(8, 8192) + 1).to(dtype)

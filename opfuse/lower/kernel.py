@@ -70,6 +70,10 @@ class Accumulate:
     # welford only: "two_pass" reads a row twice (mean, then squared deviations): as
     # stable, and faster when the row stays in cache; "welford" reads it once.
     algorithm: str = "welford"
+    # sum only: fold runs of `block` consecutive values in value.dtype, then add each run's
+    # total into acc_dtype. float32 runs of 512 keep float64's accuracy (a run adds 32 values
+    # per vector lane) at float32's vector width; 0 adds every value in acc_dtype.
+    block: int = 0
 
 
 @dataclass(frozen=True)

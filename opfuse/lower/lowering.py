@@ -60,6 +60,14 @@ def reduce_dims(n: Node) -> tuple[tuple[int, ...], bool]:
     return norm, bool(a.get("keepdim", False))
 
 
+# Float sums fold runs of this many float32 values before adding into float64 (Accumulate.block).
+SUM_BLOCK = 512
+
+
+def _first_meta(n: Node) -> TensorMeta:
+    return n.meta[0] if isinstance(n.meta, tuple) else n.meta
+
+
 def acc_dtype(combine: str, dtype: torch.dtype) -> torch.dtype:
     """Accumulator dtype: sums and variances of floats accumulate in float64, so long
     reductions stay at least as accurate as torch's cascaded float32 sums."""
@@ -246,12 +254,16 @@ class _Lowering:
         # max/min/argmax compare values exactly in opmath; sums and variances accumulate in adt
         selects = red.combine in ("argmax", "argmin", "max", "min")
         value = cast(x, opmath(in_dtype)) if selects else cast(x, adt)
+        block = 0
+        narrow = opmath(in_dtype) == torch.float32 == opmath(_first_meta(r).dtype)
+        if red.combine == "sum" and adt == torch.float64 and narrow:
+            value, block = cast(x, torch.float32), SUM_BLOCK
         position: Ix | None = None
         if red.combine in ("argmax", "argmin"):
             position = Ix()
             for d in self.dims:
                 position = position * self.full_shape[d] + self.full_index[d]
-        self.accumulates[r] = Accumulate(name, red.combine, value, adt, position)
+        self.accumulates[r] = Accumulate(name, red.combine, value, adt, position, block=block)
         count = self.reduction_size
         metas = r.meta if isinstance(r.meta, tuple) else (r.meta,)
         out_t = [opmath(m.dtype) for m in metas]

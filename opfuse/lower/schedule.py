@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from ..ir.index import Ix, Var
 from ..ir.scalar import Expr, walk
-from .kernel import Accumulate, Kernel, Pass, Store
+from .kernel import Kernel, Pass, Store
 
 # A reduction whose rows are too few to keep every thread busy splits each row.
 SPLIT_MAX_OUTER = 16
@@ -254,13 +254,10 @@ def map_indices(k: Kernel, fix: Callable[[Ix], Ix]) -> Kernel:
         passes.append(
             Pass(
                 tuple(
-                    Accumulate(
-                        a.name,
-                        a.combine,
-                        expr(a.value),
-                        a.acc_dtype,
-                        fix(a.position) if a.position is not None else None,
-                        a.algorithm,
+                    replace(
+                        a,
+                        value=expr(a.value),
+                        position=fix(a.position) if a.position is not None else None,
                     )
                     for a in p.accumulates
                 ),

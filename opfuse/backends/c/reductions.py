@@ -253,6 +253,9 @@ def _reduction_clause_pass(
             continue
         init = _lane_fields(a)[0][2]
         lines.append(f"{indent}{t} {a.name}_value = {init};")
+        if a.block:
+            clauses.append(f"reduction(+:{a.name}_run)")
+            continue
         clauses.append(f"reduction({OMP_REDUCTION[a.combine]}:{a.name}_value)")
         if a.combine in ("max", "min") and a.acc_dtype.is_floating_point:
             lines.append(f"{indent}int {a.name}_nan = 0;")
@@ -260,7 +263,7 @@ def _reduction_clause_pass(
     hoisted = invariant([*(a.value for a in p.accumulates), *(s.value for s in p.stores)], inner)
     em.emit(hoisted, lines, indent)
 
-    def loop(clause: str, body_fn: Any) -> None:
+    def loop(clause: str, body_fn: Any, runs: Sequence[Accumulate] = ()) -> None:
         ind = indent
         for i, v in enumerate(inner[:-1]):
             lo, hi = ("lo", "hi") if split and i == 0 else ("0", str(v.extent))
@@ -269,12 +272,28 @@ def _reduction_clause_pass(
         last = inner[-1]
         start, stop = ("lo", "hi") if split and len(inner) == 1 else ("0", str(last.extent))
         r = last.name
+        if runs:  # blocked sums: each run of `block` values folds in value.dtype first
+            size = runs[0].block
+            lines.append(
+                f"{ind}for (int64_t {r}_run = {start}; {r}_run < {stop}; {r}_run += {size}) {{"
+            )
+            ind += "  "
+            end = f"{r}_run + {size}"
+            lines.append(f"{ind}const int64_t {r}_end = {end} < {stop} ? {end} : {stop};")
+            for a in runs:
+                lines.append(f"{ind}{VALUE[a.value.dtype]} {a.name}_run = 0;")
+            start, stop = f"{r}_run", f"{r}_end"
         lines.append(f"{ind}#pragma omp simd {clause}")
         lines.append(f"{ind}for (int64_t {r} = {start}; {r} < {stop}; {r}++) {{")
         em.scopes.append({})
         body_fn(ind + "  ")
         em.scopes.pop()
         lines.append(f"{ind}}}")
+        if runs:
+            for a in runs:
+                lines.append(f"{ind}{a.name}_value += {a.name}_run;")
+            ind = ind[:-2]
+            lines.append(f"{ind}}}")
         for _ in inner[:-1]:
             ind = ind[:-2]
             lines.append(f"{ind}}}")
@@ -286,7 +305,7 @@ def _reduction_clause_pass(
             if a.combine == "welford":
                 lines.append(f"{body}{a.name}_sum += {val};")
                 continue
-            n = f"{a.name}_value"
+            n = f"{a.name}_run" if a.block else f"{a.name}_value"
             if a.combine in ("max", "min"):
                 cmp = ">" if a.combine == "max" else "<"
                 if a.acc_dtype.is_floating_point:
@@ -305,7 +324,7 @@ def _reduction_clause_pass(
             lines.append(f"{body}  {a.name}_m2 += d * d; }}")
         emit_stores(em, p.stores, lines, body)
 
-    loop(" ".join(clauses), first)
+    loop(" ".join(clauses), first, [a for a in p.accumulates if a.block])
     count = 1
     for v in inner:
         count *= v.extent
