@@ -175,19 +175,21 @@ def save_decision(key: str, d: Decision) -> None:
     os.replace(tmp, path)  # concurrent writers: last one wins, the file stays valid
 
 
+def remembered(key: str) -> Decision | None:
+    """The decision an earlier compile measured for this key (see decision_key)."""
+    return load_decision(key)
+
+
 def choose(
     graph: Graph,
     group: Group,
     candidates: Mapping[str, Any],
-    identity: Sequence[str],
+    key: str,
     run_plan: Callable[[Graph, Partition, Mapping[int, Any]], Callable[[list[Any]], Any]],
 ) -> Decision:
-    """Time each candidate implementation of `group` (Built objects for plan.build_plan)
-    on random inputs of its shapes; return (and remember) the fastest."""
-    key = decision_key([*identity, *sorted(candidates)])
-    hit = load_decision(key)
-    if hit is not None and hit.choice in candidates:
-        return hit
+    """Time each candidate implementation of `group` (Built objects for plan.build_plan,
+    None for torch) on random inputs of its shapes; return the fastest and remember it
+    under `key`."""
     sub, externals = subgraph(graph, group.nodes)
     by_name = {n.name: n for n in sub.nodes}
     members = [by_name[n.name] for n in group.nodes]

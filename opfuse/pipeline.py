@@ -13,6 +13,8 @@ run(plan, inputs)                       runtime.py
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
 import time
@@ -21,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .autotune import Decision, choose
-from .backends.c.module import Module, build_module
+from .autotune import Decision, choose, decision_key, remembered
+from .backends.c.module import Make, Module, Unavailable, build_module
 from .explain import make_report
 from .fusion.classify import classify
 from .fusion.groups import Partition, check_partition
@@ -112,7 +114,18 @@ def compile_graph(
         report.warnings.append(module.problem)
     if opts.debug_dir:
         dump(opts.debug_dir, module.source, report)
-    return CompiledGraph(graph, Runtime(plan), report, module.source)
+    compiled = CompiledGraph(graph, Runtime(plan), report, module.source)
+    release_freed_memory()
+    return compiled
+
+
+def release_freed_memory() -> None:
+    """Hand the heap that compiling freed (timing inputs, losing candidates' packed weights)
+    back to the OS: glibc keeps freed heap pages resident, and a compiled model would
+    otherwise carry tens of MB of them for its lifetime."""
+    # not glibc: nothing to trim, or the allocator returns memory itself
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def rewrite(graph: Graph, opts: Options) -> tuple[Graph, list[Fold], list[Refusal], str]:
@@ -133,32 +146,48 @@ def rewrite(graph: Graph, opts: Options) -> tuple[Graph, list[Fold], list[Refusa
 def tune(
     graph: Graph, part: Partition, module: Module, force: str | None = None
 ) -> tuple[dict[int, Built], dict[int, Decision]]:
-    """Pick how each group runs: its only implementation, or the fastest measured one."""
+    """Pick how each group runs: its only implementation, or the fastest measured one.
+    Candidates are made one group at a time and the losers dropped before the next group,
+    so the prepacked weights of all candidates never coexist."""
     built: dict[int, Built] = {}
     decisions: dict[int, Decision] = {}
     several = [g for g in part.groups if len(module.candidates.get(g.id, {})) > 1]
     with Progress(len(several), "timing implementations") as bar:
         for g in part.groups:
-            cands = module.candidates.get(g.id, {})
-            if not cands:
+            makers = module.candidates.get(g.id, {})
+            if not makers:
                 continue
-            if len(cands) == 1:
-                only = next(iter(cands.values()))
+            if len(makers) == 1:
+                only = _make(makers, next(iter(makers)))
                 if only is not None:
                     built[g.id] = only
                 continue
             identity = [g.pattern, *module.signatures.get(g.id, []), *_io_signature(graph, g)]
-            if force in cands:
-                d = Decision(force, {}, cached=False)
-            else:
-                d = choose(graph, g, cands, identity, _sub_runtime)
+            key = decision_key([*identity, *sorted(makers)])
+            d = Decision(force, {}) if force in makers else remembered(key)
+            chosen = _make(makers, d.choice) if d is not None else _UNAVAILABLE
+            if d is None or chosen is _UNAVAILABLE:
+                cands = {n: c for n in makers if (c := _make(makers, n)) is not _UNAVAILABLE}
+                d = choose(graph, g, cands, key, _sub_runtime)
+                chosen = cands.get(d.choice)
+                del cands  # the losers' packed weights go now, not at the end of compile
             log.getChild("autotune").debug("group %d (%s): %s", g.id, g.pattern, d.describe())
             decisions[g.id] = d
-            chosen = cands.get(d.choice)
-            if chosen is not None:
-                built[g.id] = chosen
+            if chosen is not None and chosen is not _UNAVAILABLE:
+                built[g.id] = chosen  # type: ignore[assignment]
             bar.update()
     return built, decisions
+
+
+_UNAVAILABLE = object()
+
+
+def _make(makers: dict[str, Make], name: str) -> Any:
+    """The candidate made, None where torch runs it, _UNAVAILABLE where a library refuses."""
+    try:
+        return makers[name]()
+    except Unavailable:
+        return _UNAVAILABLE
 
 
 def _io_signature(graph: Graph, g: Any) -> list[str]:

@@ -302,3 +302,23 @@ def test_training_plans_never_read_dead_slots() -> None:
     torch.testing.assert_close(g, x2.grad)
     for r in set(rt._LIVE) - before:
         assert _dead_reads(r.plan) == []
+
+
+def test_memory_table_has_inductor_freezing_column_and_leaves_training_blank() -> None:
+    from opfuse.bench.run import Result, markdown
+
+    mb = 1 << 20
+    inference = Result("block", "memory")
+    inference.memory = {
+        "process": {
+            "eager": 300 * mb,
+            "inductor": 350 * mb,
+            "inductor-freezing": 400 * mb,
+            "opfuse": 270 * mb,
+        }
+    }
+    training = Result("train step", "memory")
+    training.memory = {"process": {"eager": 200 * mb, "inductor": 150 * mb, "opfuse": 100 * mb}}
+    text = markdown([inference, training], "t")
+    assert "| block | process | 300 | 350 | 400 | 270 | -10% |" in text
+    assert "| train step | process | 200 | 150 |  | 100 | -50% |" in text

@@ -74,7 +74,8 @@ CASES = {
     "resnet50 batch 8 inference": _model("resnet50", 8),
     "bert_base batch 8 inference": _model("bert_base", 8),
 }
-CANDIDATES = ("eager", "inductor", "opfuse")
+TRAINING = frozenset({"BatchNorm training step (32x64x56x56, conv-bn-relu x2)"})
+CANDIDATES = ("eager", "inductor", "inductor-freezing", "opfuse")
 
 
 def child(case: str, candidate: str) -> dict[str, int]:
@@ -100,7 +101,9 @@ def child(case: str, candidate: str) -> dict[str, int]:
         with torch.no_grad():
             if candidate == "opfuse":
                 fwd = opfuse.compile(model, inputs)
-            elif candidate == "inductor":
+            elif candidate.startswith("inductor"):
+                # with freezing inductor prepacks weights too: the like-for-like comparison
+                torch._inductor.config.freezing = candidate == "inductor-freezing"
                 fwd = torch.compile(model)
                 fwd(*inputs)  # compiles
             else:
@@ -131,7 +134,10 @@ def measure(case: str) -> dict[str, dict[str, int]]:
     import tempfile
 
     out: dict[str, dict[str, int]] = {"working": {}, "process": {}}
+    training = case in TRAINING
     for cand in CANDIDATES:
+        if training and cand == "inductor-freezing":
+            continue  # freezing is for inference
         with tempfile.TemporaryDirectory() as d:
             env = dict(
                 os.environ,

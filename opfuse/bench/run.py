@@ -287,8 +287,8 @@ def markdown(results: list[Result], title: str) -> str:
     if mem:
         out += [
             "| peak memory, fresh process per candidate | measure | eager MiB | inductor MiB "
-            "| opfuse MiB | opfuse vs eager |",
-            "|---|---|---:|---:|---:|---:|",
+            "| inductor+freezing MiB | opfuse MiB | opfuse vs eager |",
+            "|---|---|---:|---:|---:|---:|---:|",
         ]
         for r in mem:
             if r.error:
@@ -296,10 +296,12 @@ def markdown(results: list[Result], title: str) -> str:
                 continue
             for what, p in r.memory.items():
                 drop = 1 - p["opfuse"] / p["eager"] if p.get("eager") else 0
+                frozen = p.get("inductor-freezing")
                 out.append(
                     f"| {r.case} | {what} | {p['eager'] / 2**20:.0f} | "
-                    f"{p['inductor'] / 2**20:.0f} | {p['opfuse'] / 2**20:.0f} | "
-                    f"{-drop * 100:+.0f}% |"
+                    f"{p['inductor'] / 2**20:.0f} | "
+                    f"{'' if frozen is None else f'{frozen / 2**20:.0f}'} | "
+                    f"{p['opfuse'] / 2**20:.0f} | {-drop * 100:+.0f}% |"
                 )
         out.append("")
     return "\n".join(out)

@@ -15,6 +15,7 @@ import ctypes
 import functools
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -78,12 +79,9 @@ def can_pack() -> bool:
     return b is not None and None not in (b.sgemm_compute, b.sgemm_pack, b.sgemm_pack_get_size)
 
 
-def pack_weight(k: GemmKernel, weight: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
-    """Pack B (a frozen weight, as the GEMM reads it: [K, N] possibly transposed) once,
-    one packed block per column tile. Returns the buffer and each tile's offset (floats)."""
+def _pack_fns() -> tuple[Any, Any]:
     b = blas()
     assert b is not None and b.sgemm_pack is not None and b.sgemm_pack_get_size is not None
-    spec = k.spec
     get_size = ctypes.CFUNCTYPE(
         ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int
     )(b.sgemm_pack_get_size)
@@ -100,14 +98,32 @@ def pack_weight(k: GemmKernel, weight: torch.Tensor) -> tuple[torch.Tensor, list
         ctypes.c_int,
         ctypes.c_void_p,
     )(b.sgemm_pack)
-    offsets, sizes = [], []
+    return get_size, pack
+
+
+def pack_layout(k: GemmKernel) -> tuple[list[int], int]:
+    """Where each column tile's packed block of B starts (floats) and the total size: the
+    rendered kernel needs the offsets, the packing itself waits until the candidate is
+    built (see pack_weight)."""
+    get_size, _ = _pack_fns()
+    spec = k.spec
+    offsets = []
     total = 0
     for n0 in range(0, spec.n, k.tile_n):
         nn = min(k.tile_n, spec.n - n0)
         size = -(-get_size(B_MATRIX, k.tile_m, nn, spec.k) // 4) + 16  # floats, padded
         offsets.append(total)
-        sizes.append(size)
         total += -(-size // 16) * 16  # 64-byte aligned blocks
+    return offsets, total
+
+
+def pack_weight(
+    k: GemmKernel, weight: torch.Tensor, offsets: list[int], total: int
+) -> torch.Tensor:
+    """Pack B (a frozen weight, as the GEMM reads it: [K, N] possibly transposed) once,
+    one packed block per column tile at the offsets pack_layout gave."""
+    _, pack = _pack_fns()
+    spec = k.spec
     # empty, not zeros: MKL reports a generous size (megabytes even for a small tile) and
     # writes only what it uses; untouched pages never become resident.
     buf = torch.empty(total, dtype=torch.float32)
@@ -128,7 +144,7 @@ def pack_weight(k: GemmKernel, weight: torch.Tensor) -> tuple[torch.Tensor, list
             spec.b.ld,
             buf.data_ptr() + 4 * off,
         )
-    return buf, offsets
+    return buf
 
 
 def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> str:

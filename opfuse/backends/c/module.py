@@ -3,6 +3,8 @@ runnable objects (plan.Built*) for every candidate, oneDNN calls included."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -15,14 +17,25 @@ from ...lower.kernel import Kernel
 from ...plan import Built, BuiltCall, BuiltGemm, BuiltKernel
 from ...rewrite.layout import is_channels_last
 from .build import BuildError, build
-from .gemm import GEMM_TYPES, blas, can_pack, pack_weight, render_gemm
+from .gemm import GEMM_TYPES, blas, can_pack, pack_layout, pack_weight, render_gemm
 from .render import render_module
+
+# Builds one candidate: prepacks its weights, binds its kernel. Returns None where torch runs
+# the group; raises Unavailable where a library refuses it (then it is no candidate).
+Make = Callable[[], "Built | None"]
+
+
+class Unavailable(Exception):
+    """The library refuses this candidate (a dtype or layout it does not take)."""
 
 
 @dataclass
 class Module:
+    """The built library and, per group, how to make each candidate. Candidates are made
+    on demand: prepacked weights of the candidates not chosen never coexist."""
+
     source: str
-    candidates: dict[int, dict[str, Built | None]] = field(default_factory=dict)
+    candidates: dict[int, dict[str, Make]] = field(default_factory=dict)
     # What each candidate computes, independent of names: groups with equal signatures
     # (the layers of a Transformer) share one timing decision.
     signatures: dict[int, list[str]] = field(default_factory=dict)
@@ -34,7 +47,7 @@ def build_module(graph: Graph, lowered: Lowered) -> Module:
     names: dict[tuple[int, str], str] = {}
     kernels: list[tuple[str, Kernel]] = []
     gemms: list[tuple[str, GemmKernel, list[int] | None]] = []
-    packed: dict[tuple[int, str], torch.Tensor] = {}
+    layouts: dict[tuple[int, str], tuple[list[int], int]] = {}  # packed GEMM weights
     for gid, cands in lowered.candidates.items():
         for cname, c in cands.items():
             if isinstance(c, Kernel):
@@ -44,9 +57,8 @@ def build_module(graph: Graph, lowered: Lowered) -> Module:
             elif isinstance(c, GemmKernel):
                 offsets = None
                 if c.spec.packable and can_pack():
-                    w = _weight(graph, c)
-                    buf, offsets = pack_weight(c, w)
-                    packed[(gid, cname)] = buf
+                    offsets, total = pack_layout(c)
+                    layouts[(gid, cname)] = (offsets, total)
                 name = f"{c.name}_{cname}_{gid}"
                 names[(gid, cname)] = name
                 gemms.append((name, c, offsets))
@@ -76,35 +88,59 @@ def build_module(graph: Graph, lowered: Lowered) -> Module:
             mod.problem = f"opfuse: kernels could not be built, running those ops with torch ({e})"
     b = blas()
     for gid, cands in lowered.candidates.items():
-        built: dict[str, Built | None] = {}
+        makers: dict[str, Make] = {}
         for cname, c in cands.items():
+            name = names.get((gid, cname), "")
             if c is None:
-                built[cname] = None
+                makers[cname] = _torch_runs
             elif isinstance(c, OneDnnPlan):
-                try:
-                    if cname == "mkl":
-                        call = mkl_linear_call(graph, c)
-                    else:
-                        call = onednn_call(graph, c, channels_last=cname.endswith("nhwc"))
-                except RuntimeError:  # oneDNN refuses this dtype or layout: not a candidate
-                    call = None
-                if call is not None:
-                    built[cname] = call
+                makers[cname] = functools.partial(_make_library_call, graph, c, cname)
             elif lib is None:
                 continue
             elif isinstance(c, Kernel):
-                built[cname] = BuiltKernel(c, lib.fn(names[(gid, cname)]))
-            elif isinstance(c, PackedThenKernel) and (gid, cname) in names:
-                first = mkl_linear_call(graph, OneDnnPlan(c.anchor, c.anchor))
-                if first is not None:
-                    built[cname] = BuiltKernel(c.kernel, lib.fn(names[(gid, cname)]), first)
+                makers[cname] = functools.partial(BuiltKernel, c, lib.fn(name))
+            elif isinstance(c, PackedThenKernel) and name:
+                makers[cname] = functools.partial(_make_packed_then, graph, c, lib.fn(name))
             elif isinstance(c, GemmKernel) and b is not None:
-                pk = packed.get((gid, cname))
-                fn_addr = b.sgemm_compute if pk is not None else b.sgemm
+                layout = layouts.get((gid, cname))
+                fn_addr = b.sgemm_compute if layout is not None else b.sgemm
                 assert fn_addr is not None
-                built[cname] = BuiltGemm(c, lib.fn(names[(gid, cname)]), pk, fn_addr)
-        mod.candidates[gid] = built
+                makers[cname] = functools.partial(
+                    _make_gemm, graph, c, lib.fn(name), layout, fn_addr
+                )
+        mod.candidates[gid] = makers
     return mod
+
+
+def _torch_runs() -> None:
+    return None
+
+
+def _make_library_call(graph: Graph, c: OneDnnPlan, cname: str) -> Built:
+    try:
+        if cname == "mkl":
+            call = mkl_linear_call(graph, c)
+        else:
+            call = onednn_call(graph, c, channels_last=cname.endswith("nhwc"))
+    except RuntimeError as e:  # oneDNN refuses this dtype or layout
+        raise Unavailable(str(e)) from e
+    if call is None:
+        raise Unavailable(f"{cname} cannot run {c.anchor.name}")
+    return call
+
+
+def _make_packed_then(graph: Graph, c: PackedThenKernel, fn: Any) -> Built:
+    first = mkl_linear_call(graph, OneDnnPlan(c.anchor, c.anchor))
+    if first is None:
+        raise Unavailable(f"no packed MKL GEMM for {c.anchor.name}")
+    return BuiltKernel(c.kernel, fn, first)
+
+
+def _make_gemm(
+    graph: Graph, c: GemmKernel, fn: Any, layout: tuple[list[int], int] | None, fn_addr: int
+) -> Built:
+    packed = pack_weight(c, _weight(graph, c), *layout) if layout is not None else None
+    return BuiltGemm(c, fn, packed, fn_addr)
 
 
 def _weight(graph: Graph, k: GemmKernel) -> torch.Tensor:
