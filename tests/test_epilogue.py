@@ -122,8 +122,9 @@ def test_conv_epilogues(conv: str, epi: str, impl: str | None) -> None:
     assert len(groups) == 1 and r.kernels_after <= 2, str(r)
 
 
+@pytest.mark.parametrize("residual_first", [False, True])
 @pytest.mark.parametrize("impl", IMPLS)
-def test_resnet_bottleneck_tail(impl: str | None) -> None:
+def test_resnet_bottleneck_tail(impl: str | None, residual_first: bool) -> None:
     class Tail(nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -131,7 +132,9 @@ def test_resnet_bottleneck_tail(impl: str | None) -> None:
             self.bn = nn.BatchNorm2d(16)
 
         def forward(self, x: torch.Tensor, identity: torch.Tensor) -> torch.Tensor:
-            return torch.relu(self.bn(self.conv(x)) + identity)
+            y = self.bn(self.conv(x))
+            # identity + conv(x) (a downsampled residual is often the first operand)
+            return torch.relu(identity + y if residual_first else y + identity)
 
     torch.manual_seed(0)
     m = Tail().eval()
@@ -142,6 +145,8 @@ def test_resnet_bottleneck_tail(impl: str | None) -> None:
     (g,) = anchored(r, "conv_epilogue")
     assert [op.split(".")[1] for op in g.ops] == ["convolution", "add", "relu"]
     assert r.kernels_after <= 2 and len(r.folds) == 1
+    if impl in ("unfused", "onednn", "onednn-nhwc"):  # convolution's; either operand order
+        assert g.implementation.startswith(impl), g.implementation
 
 
 def test_report_says_which_implementation_and_why() -> None:

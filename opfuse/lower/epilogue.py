@@ -233,6 +233,7 @@ BINARY = {
     "aten.mul.Tensor": "mul",
     "aten.div.Tensor": "div",
 }
+COMMUTATIVE = frozenset({"aten.add.Tensor", "aten.mul.Tensor"})
 
 
 @dataclass(frozen=True)
@@ -322,6 +323,8 @@ def match_onednn(graph: Graph, anchor: Node, members: Sequence[Node]) -> OneDnnP
     if attr is None or len(epi) > 2:
         return None
     x, other = first.args[0], first.args[1]
+    if first.op in COMMUTATIVE and isinstance(other, Node) and _through_views(other, anchor):
+        x, other = other, x  # residual + conv(x): oneDNN adds `other` to its result either way
     if not (isinstance(x, Node) and isinstance(other, Node) and _through_views(x, anchor)):
         return None
     if other.tensor.numel != anchor.tensor.numel or bind(first).get("alpha", 1) != 1:
