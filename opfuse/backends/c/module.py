@@ -65,12 +65,20 @@ def build_module(graph: Graph, lowered: Lowered) -> Module:
         for cname, c in cands.items():  # the same epilogue kernel as "unfused"
             if isinstance(c, PackedThenKernel) and (gid, "unfused") in names:
                 names[(gid, cname)] = names[(gid, "unfused")]
-    source = render_module(kernels)
     rendered = {name: render_module([(name, k)]) for name, k in kernels}
     for n, k, o in gemms:
         rendered[n] = render_gemm(n, k, o)
+    # The layers of a deep model repeat the same kernels: compile each distinct one once
+    # (gcc time grows with the translation unit), and let equal candidates share it.
+    first: dict[str, str] = {}
+    alias: dict[str, str] = {}
+    for name, text in rendered.items():
+        alias[name] = first.setdefault(text.replace(name, "KERNEL"), name)
+    names = {key: alias[n] for key, n in names.items()}
+    unique = [n for n in rendered if alias[n] == n]
+    source = "\n".join(rendered[n] for n in unique)
     if gemms:
-        source = GEMM_TYPES + source + "\n".join(rendered[n] for n, _, _ in gemms)
+        source = GEMM_TYPES + source
     mod = Module(source)
     for gid, cands in lowered.candidates.items():
         sig = []
