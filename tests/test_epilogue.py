@@ -167,6 +167,59 @@ def test_report_says_which_implementation_and_why() -> None:
     assert "cached decision" in anchored(r2, "gemm_epilogue")[0].implementation
 
 
+def test_candidates_are_made_per_group_and_only_the_chosen_one_when_remembered(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import weakref
+
+    import opfuse.pipeline as pipeline
+
+    made: list[tuple[int, Any]] = []  # (group's makers, weak reference to the candidate)
+    timed: list[int] = []
+    real_make, real_choose = pipeline._make, pipeline.choose
+
+    def make(makers: Any, name: str) -> Any:
+        c = real_make(makers, name)
+        made.append((id(makers), weakref.ref(c) if c is not None else None))
+        return c
+
+    def choose(graph: Any, group: Any, cands: Any, key: str, run_plan: Any) -> Any:
+        mine = made[-1][0]
+        earlier = {m for m, _ in made if m != mine}
+        still = [r for m, r in made if m != mine and r is not None and r() is not None]
+        # what earlier groups made is gone by now, except the one each of them chose
+        assert len(still) <= len(earlier)
+        timed.append(len(cands))
+        return real_choose(graph, group, cands, key, run_plan)
+
+    monkeypatch.setattr(pipeline, "_make", make)
+    monkeypatch.setattr(pipeline, "choose", choose)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64), nn.ReLU()).eval()
+    x = torch.randn(32, 64)
+    opfuse.compile(m, (x,), options=opfuse.Options(debug_dir=None))
+    assert len(timed) >= 2 and all(n >= 2 for n in timed)
+    made.clear()
+    timed.clear()
+    fast = opfuse.compile(m, (x,))  # decisions remembered: only the chosen ones are made
+    assert not timed
+    assert len(made) == len({g for g, _ in made})
+    assert_matches_eager(m, fast(x), (x,))
+
+
+def test_repeated_layers_share_their_kernels() -> None:
+    torch.manual_seed(0)
+    layers = [m for _ in range(4) for m in (nn.Linear(32, 32), nn.ReLU())]
+    m = nn.Sequential(*layers).eval()
+    x = torch.randn(8, 32)
+    fast = opfuse.compile(m, (x,), options=opfuse.Options(implementation="unfused"))
+    assert_matches_eager(m, fast(x), (x,))
+    src = fast._first.compiled.source
+    assert len(anchored(fast.report, "gemm_epilogue")) == 4
+    # the four relu epilogues are one function in the translation unit
+    assert src.count("int fused_relu") == 1, src
+
+
 def test_anchor_output_with_other_users_is_not_fused_and_says_why() -> None:
     torch.manual_seed(0)
     lin = nn.Linear(16, 16)
