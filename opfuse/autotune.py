@@ -175,11 +175,6 @@ def save_decision(key: str, d: Decision) -> None:
     os.replace(tmp, path)  # concurrent writers: last one wins, the file stays valid
 
 
-def remembered(key: str) -> Decision | None:
-    """The decision an earlier compile measured for this key (see decision_key)."""
-    return load_decision(key)
-
-
 def choose(
     graph: Graph,
     group: Group,

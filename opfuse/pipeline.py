@@ -19,11 +19,12 @@ import logging
 import os
 import time
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .autotune import Decision, choose, decision_key, remembered
+from .autotune import Decision, choose, decision_key, load_decision
 from .backends.c.module import Make, Module, Unavailable, build_module
 from .explain import make_report
 from .fusion.classify import classify
@@ -155,39 +156,39 @@ def tune(
     with Progress(len(several), "timing implementations") as bar:
         for g in part.groups:
             makers = module.candidates.get(g.id, {})
-            if not makers:
-                continue
-            if len(makers) == 1:
-                only = _make(makers, next(iter(makers)))
+            if len(makers) <= 1:
+                only = next(iter(_made(makers, makers).values()), None)
                 if only is not None:
                     built[g.id] = only
                 continue
+            bar.update()
             identity = [g.pattern, *module.signatures.get(g.id, []), *_io_signature(graph, g)]
             key = decision_key([*identity, *sorted(makers)])
-            d = Decision(force, {}) if force in makers else remembered(key)
-            chosen = _make(makers, d.choice) if d is not None else _UNAVAILABLE
-            if d is None or chosen is _UNAVAILABLE:
-                cands = {n: c for n in makers if (c := _make(makers, n)) is not _UNAVAILABLE}
+            d = Decision(force, {}) if force in makers else load_decision(key)
+            cands = _made(makers, [d.choice]) if d is not None and d.choice in makers else {}
+            if not cands:  # nothing remembered, or the library refused the remembered one
+                cands = _made(makers, makers)
+                if not cands:
+                    continue  # every library refused: torch runs the group
                 d = choose(graph, g, cands, key, _sub_runtime)
-                chosen = cands.get(d.choice)
-                del cands  # the losers' packed weights go now, not at the end of compile
+            assert d is not None
             log.getChild("autotune").debug("group %d (%s): %s", g.id, g.pattern, d.describe())
             decisions[g.id] = d
-            if chosen is not None and chosen is not _UNAVAILABLE:
-                built[g.id] = chosen  # type: ignore[assignment]
-            bar.update()
+            chosen = cands.get(d.choice)
+            del cands  # the losers' packed weights go now, not at the end of compile
+            if chosen is not None:
+                built[g.id] = chosen
     return built, decisions
 
 
-_UNAVAILABLE = object()
-
-
-def _make(makers: dict[str, Make], name: str) -> Any:
-    """The candidate made, None where torch runs it, _UNAVAILABLE where a library refuses."""
-    try:
-        return makers[name]()
-    except Unavailable:
-        return _UNAVAILABLE
+def _made(makers: dict[str, Make], names: Iterable[str]) -> dict[str, Built | None]:
+    """Make the named candidates (None: torch runs the group); one a library refuses is
+    no candidate."""
+    out: dict[str, Built | None] = {}
+    for name in names:
+        with contextlib.suppress(Unavailable):
+            out[name] = makers[name]()
+    return out
 
 
 def _io_signature(graph: Graph, g: Any) -> list[str]:

@@ -176,12 +176,13 @@ def test_candidates_are_made_per_group_and_only_the_chosen_one_when_remembered(
 
     made: list[tuple[int, Any]] = []  # (group's makers, weak reference to the candidate)
     timed: list[int] = []
-    real_make, real_choose = pipeline._make, pipeline.choose
+    real_made, real_choose = pipeline._made, pipeline.choose
 
-    def make(makers: Any, name: str) -> Any:
-        c = real_make(makers, name)
-        made.append((id(makers), weakref.ref(c) if c is not None else None))
-        return c
+    def make(makers: Any, names: Any) -> Any:
+        out = real_made(makers, names)
+        for c in out.values():
+            made.append((id(makers), weakref.ref(c) if c is not None else None))
+        return out
 
     def choose(graph: Any, group: Any, cands: Any, key: str, run_plan: Any) -> Any:
         mine = made[-1][0]
@@ -192,7 +193,7 @@ def test_candidates_are_made_per_group_and_only_the_chosen_one_when_remembered(
         timed.append(len(cands))
         return real_choose(graph, group, cands, key, run_plan)
 
-    monkeypatch.setattr(pipeline, "_make", make)
+    monkeypatch.setattr(pipeline, "_made", make)
     monkeypatch.setattr(pipeline, "choose", choose)
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64), nn.ReLU()).eval()
