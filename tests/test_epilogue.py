@@ -283,3 +283,30 @@ def test_epilogue_after_packed_mkl_gemm() -> None:
     (g,) = anchored(r, "gemm_epilogue")
     assert g.kernel.startswith("fused_") and "_mkl_unfused_" in g.kernel
     assert r.kernels_after == 2  # the packed GEMM, then one kernel for the whole epilogue
+
+
+def test_group_whose_every_candidate_is_refused_runs_with_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import opfuse.pipeline as pipeline
+    from opfuse.backends.c.module import Unavailable
+
+    real = pipeline.build_module
+
+    def refusing(graph: Any, lowered: Any) -> Any:
+        mod = real(graph, lowered)
+
+        def refuse() -> None:
+            raise Unavailable("test: the library refuses")
+
+        for makers in mod.candidates.values():
+            for name in makers:
+                makers[name] = refuse
+        return mod
+
+    monkeypatch.setattr(pipeline, "build_module", refusing)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 24), nn.GELU(), nn.Linear(24, 8)).eval()
+    x = torch.randn(4, 16)
+    fast = opfuse.compile(m, (x,))
+    assert_matches_eager(m, fast(x), (x,))
