@@ -70,13 +70,12 @@ def build_module(graph: Graph, lowered: Lowered) -> Module:
         rendered[n] = render_gemm(n, k, o)
     # The layers of a deep model repeat the same kernels: compile each distinct one once
     # (gcc time grows with the translation unit), and let equal candidates share it.
-    first: dict[str, str] = {}
-    alias: dict[str, str] = {}
-    for name, text in rendered.items():
-        alias[name] = first.setdefault(text.replace(name, "KERNEL"), name)
+    # A kernel's text without its own name is also its name-free signature (below).
+    canonical = {name: text.replace(name, "KERNEL") for name, text in rendered.items()}
+    first: dict[str, str] = {}  # canonical text -> the name that defines it
+    alias = {name: first.setdefault(text, name) for name, text in canonical.items()}
     names = {key: alias[n] for key, n in names.items()}
-    unique = [n for n in rendered if alias[n] == n]
-    source = "\n".join(rendered[n] for n in unique)
+    source = "\n".join(rendered[n] for n in first.values())
     if gemms:
         source = GEMM_TYPES + source
     mod = Module(source)
@@ -84,7 +83,7 @@ def build_module(graph: Graph, lowered: Lowered) -> Module:
         sig = []
         for cname, c in sorted(cands.items()):
             kname = names.get((gid, cname))
-            text = rendered[kname].replace(kname, "KERNEL") if kname else _describe(c)
+            text = canonical[kname] if kname else _describe(c)
             sig.append(f"{cname}:{text}")
         mod.signatures[gid] = sig
     lib = None
