@@ -64,10 +64,6 @@ def reduce_dims(n: Node) -> tuple[tuple[int, ...], bool]:
 SUM_BLOCK = 512
 
 
-def _first_meta(n: Node) -> TensorMeta:
-    return n.meta[0] if isinstance(n.meta, tuple) else n.meta
-
-
 def acc_dtype(combine: str, dtype: torch.dtype) -> torch.dtype:
     """Accumulator dtype: sums and variances of floats accumulate in float64, so long
     reductions stay at least as accurate as torch's cascaded float32 sums."""
@@ -254,8 +250,10 @@ class _Lowering:
         # max/min/argmax compare values exactly in opmath; sums and variances accumulate in adt
         selects = red.combine in ("argmax", "argmin", "max", "min")
         value = cast(x, opmath(in_dtype)) if selects else cast(x, adt)
+        metas = r.meta if isinstance(r.meta, tuple) else (r.meta,)
+        out_t = [opmath(m.dtype) for m in metas]
         block = 0
-        narrow = opmath(in_dtype) == torch.float32 == opmath(_first_meta(r).dtype)
+        narrow = opmath(in_dtype) == torch.float32 == out_t[0]
         if red.combine == "sum" and adt == torch.float64 and narrow:
             value, block = cast(x, torch.float32), SUM_BLOCK
         position: Ix | None = None
@@ -265,8 +263,6 @@ class _Lowering:
                 position = position * self.full_shape[d] + self.full_index[d]
         self.accumulates[r] = Accumulate(name, red.combine, value, adt, position, block=block)
         count = self.reduction_size
-        metas = r.meta if isinstance(r.meta, tuple) else (r.meta,)
-        out_t = [opmath(m.dtype) for m in metas]
 
         def acc(part: str, dtype: torch.dtype) -> Expr:
             return Expr("acc", (), dtype, (name, part))
