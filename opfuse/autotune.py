@@ -28,9 +28,15 @@ from .fusion.groups import Group, Partition
 from .ir.graph import CONSTANT, INPUT, Graph, GraphBuilder, Node, TensorMeta
 from .ir.ops import Kind, info
 
-REPS = 7  # samples per candidate at least
+REPS = 7  # samples per candidate
 MIN_SECONDS = 0.02  # and at least this much time per candidate (short kernels are noisy)
 MAX_REPS = 200
+# Long candidates (an LM head's GEMM, 300 ms a call) are not sampled REPS times: past
+# BUDGET seconds of samples for a group, MIN_SAMPLES each are enough; and a candidate
+# whose best sample is SLOWER times the leader's median is no contender.
+BUDGET = 0.3
+MIN_SAMPLES = 2
+SLOWER = 1.12
 SEQUENTIAL_BYTES = 32 << 20  # candidates are timed one after the other above this
 
 
@@ -96,29 +102,51 @@ def random_like(m: TensorMeta, g: torch.Generator) -> torch.Tensor:
 
 
 def time_candidates(
-    candidates: Mapping[str, Callable[[], Any]], reps: int = REPS
+    candidates: Mapping[str, Callable[[], Any]], reps: int = REPS, beat: float | None = None
 ) -> dict[str, float]:
-    """Median seconds per candidate, interleaved (drift hits all alike), at least `reps`
-    samples and MIN_SECONDS each; a candidate that raises is dropped."""
+    """Median seconds per candidate, interleaved (drift hits all alike), after one warm-up
+    call each; a candidate that raises is dropped. Sampling stops at `reps` samples (and
+    MIN_SECONDS each), or at MIN_SAMPLES once BUDGET seconds are spent; a candidate whose
+    fastest sample is SLOWER times the leader's median (or `beat`, the best time of
+    candidates timed earlier) stops being sampled."""
     alive = dict(candidates)
     samples: dict[str, list[float]] = {k: [] for k in alive}
     with torch.no_grad():
         for k in list(alive):
             try:
-                alive[k]()
-                alive[k]()
+                alive[k]()  # one-time costs: primitive creation, first touch of the pool
             except Exception:
                 del alive[k]
+        spent = 0.0
         n = 0
         while alive and n < MAX_REPS:
             for k, fn in alive.items():
                 t0 = time.perf_counter()
                 fn()
                 samples[k].append(time.perf_counter() - t0)
+                spent += samples[k][-1]
             n += 1
+            if n >= MIN_SAMPLES:
+                _drop_losers(alive, samples, beat)
             if n >= reps and all(sum(samples[k]) >= MIN_SECONDS for k in alive):
                 break
+            if n >= MIN_SAMPLES and spent >= BUDGET:
+                break
     return {k: statistics.median(v) for k, v in samples.items() if v}
+
+
+def _drop_losers(
+    alive: dict[str, Callable[[], Any]], samples: dict[str, list[float]], beat: float | None
+) -> None:
+    medians = [statistics.median(samples[k]) for k in alive]
+    if beat is not None:
+        medians.append(beat)
+    if len(medians) < 2:
+        return
+    lead = min(medians)
+    for k in list(alive):
+        if min(samples[k]) > SLOWER * lead:
+            del alive[k]
 
 
 def decision_key(parts: Sequence[str]) -> str:
@@ -209,7 +237,8 @@ def choose(
         seconds = {}
         for name, built in candidates.items():
             run = run_plan(sub, part, {0: built} if built is not None else {})
-            seconds.update(time_candidates({name: functools.partial(run, inputs)}))
+            beat = min(seconds.values(), default=None)
+            seconds.update(time_candidates({name: functools.partial(run, inputs)}, beat=beat))
             del run
     del inputs
     if not seconds:

@@ -230,3 +230,69 @@ def test_torch_compile_inference_under_no_grad() -> None:
     with torch.no_grad():
         out = torch.compile(m, backend="opfuse")(x)
     torch.testing.assert_close(out, m(x))
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.bn = nn.BatchNorm1d(8)
+        self.ln = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln(self.bn(self.fc(x)).softmax(-1) + x)
+
+
+def _capture_both_ways(monkeypatch: pytest.MonkeyPatch, m: nn.Module, args: Any) -> Any:
+    """(fast capture, run_decompositions capture, run_decompositions calls in the first)."""
+    from opfuse import capture
+
+    calls = []
+    real = torch.export.ExportedProgram.run_decompositions
+
+    def counted(self: Any, *a: Any, **k: Any) -> Any:
+        calls.append(1)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions", counted)
+    fast = capture.capture_module(m, args)
+    n_fast = len(calls)
+    monkeypatch.setattr(capture, "_decompose_functional", lambda gm: None)
+    slow = capture.capture_module(m, args)
+    return fast, slow, n_fast
+
+
+def _ops_and_sources(graph: Any) -> list[tuple[str, str, str]]:
+    return [(n.op, str(n.meta), str(n.source)) for n in graph.nodes]
+
+
+def test_functional_model_is_decomposed_in_one_retrace(monkeypatch: pytest.MonkeyPatch) -> None:
+    m = _Block().eval()
+    fast, slow, n_fast = _capture_both_ways(monkeypatch, m, (torch.randn(4, 8),))
+    assert n_fast == 0  # no second export through run_decompositions
+    # the same graph, op for op, with each op's module and source line
+    assert _ops_and_sources(fast.graph) == _ops_and_sources(slow.graph)
+    ops = {n.op for n in fast.graph.nodes}
+    assert "aten._native_batch_norm_legit_no_training.default" in ops  # kept for folding
+    assert "aten.native_layer_norm.default" not in ops
+    assert any(n.source is not None and n.source.module == "ln" for n in fast.graph.nodes)
+    assert fast.input_roles == slow.input_roles and fast.output_roles == slow.output_roles
+
+
+def test_mutating_model_is_functionalized_by_run_decompositions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class Mutates(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls.add_(1)
+            y = x * 2
+            y.relu_()
+            return y + self.calls
+
+    fast, _, n_fast = _capture_both_ways(monkeypatch, Mutates().eval(), (torch.randn(4),))
+    assert n_fast == 1
+    assert ("state", "m.calls") in fast.output_roles

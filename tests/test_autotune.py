@@ -1,0 +1,74 @@
+"""How the autotuner samples candidates: on a fake clock, so the counts are exact."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from opfuse import autotune
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.calls: dict[str, int] = {}
+
+    def __call__(self) -> float:
+        return self.now
+
+    def candidate(self, name: str, seconds: float) -> Callable[[], None]:
+        def run() -> None:
+            self.calls[name] = self.calls.get(name, 0) + 1
+            self.now += seconds
+
+        return run
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    c = Clock()
+    monkeypatch.setattr(autotune.time, "perf_counter", c)
+    return c
+
+
+def test_close_candidates_get_all_samples(clock: Clock) -> None:
+    got = autotune.time_candidates(
+        {"a": clock.candidate("a", 0.010), "b": clock.candidate("b", 0.0105)}
+    )
+    assert got == pytest.approx({"a": 0.010, "b": 0.0105})
+    # one warm-up call, then REPS samples each
+    assert clock.calls == {"a": 1 + autotune.REPS, "b": 1 + autotune.REPS}
+
+
+def test_clear_loser_stops_being_sampled(clock: Clock) -> None:
+    got = autotune.time_candidates(
+        {"slow": clock.candidate("slow", 0.030), "fast": clock.candidate("fast", 0.010)}
+    )
+    assert min(got, key=got.__getitem__) == "fast"
+    assert clock.calls["slow"] == 1 + autotune.MIN_SAMPLES
+    assert clock.calls["fast"] == 1 + autotune.REPS
+
+
+def test_long_candidates_stop_at_the_budget(clock: Clock) -> None:
+    got = autotune.time_candidates(
+        {"a": clock.candidate("a", 0.30), "b": clock.candidate("b", 0.31)}
+    )
+    assert set(got) == {"a", "b"}
+    assert clock.calls == {"a": 1 + autotune.MIN_SAMPLES, "b": 1 + autotune.MIN_SAMPLES}
+
+
+def test_time_to_beat_stops_a_lone_candidate(clock: Clock) -> None:
+    autotune.time_candidates({"c": clock.candidate("c", 0.02)}, beat=0.01)
+    assert clock.calls["c"] == 1 + autotune.MIN_SAMPLES
+    autotune.time_candidates({"d": clock.candidate("d", 0.0101)}, beat=0.01)
+    assert clock.calls["d"] == 1 + autotune.REPS
+
+
+def test_a_candidate_that_raises_is_dropped(clock: Clock) -> None:
+    def boom() -> Any:
+        raise RuntimeError("library refused")
+
+    got = autotune.time_candidates({"bad": boom, "ok": clock.candidate("ok", 0.01)})
+    assert set(got) == {"ok"}
