@@ -28,7 +28,7 @@ from .fusion.groups import Group, Partition
 from .ir.graph import CONSTANT, INPUT, Graph, GraphBuilder, Node, TensorMeta
 from .ir.ops import Kind, info
 
-REPS = 7  # samples per candidate
+REPS = 5  # samples per candidate (medians of interleaved samples)
 MIN_SECONDS = 0.02  # and at least this much time per candidate (short kernels are noisy)
 MAX_REPS = 200
 # Long candidates (an LM head's GEMM, 300 ms a call) are not sampled REPS times: past

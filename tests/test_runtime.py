@@ -322,3 +322,18 @@ def test_memory_table_has_inductor_freezing_column_and_leaves_training_blank() -
     text = markdown([inference, training], "t")
     assert "| block | process | 300 | 350 | 400 | 270 | -10% |" in text
     assert "| train step | process | 200 | 150 |  | 100 | -50% |" in text
+
+
+def test_fresh_process_compile_table() -> None:
+    from opfuse.bench.run import Result, markdown
+
+    r = Result("bert", "memory")
+    r.memory = {"process": {"eager": 1, "inductor": 1, "inductor-freezing": 1, "opfuse": 1}}
+    r.compile_seconds = {
+        "inductor fresh process": 20.0,
+        "inductor-freezing fresh process": 24.0,
+        "opfuse fresh process": 5.0,
+    }
+    text = markdown([r], "t")
+    assert "| cold compile: fresh process" in text
+    assert "| bert | 20.0 | 24.0 | 5.0 | 0.25 |" in text

@@ -8,7 +8,11 @@ Two numbers per candidate:
 - process: the process's high-water mark over its whole life, above its size after
   importing torch: weights, compilation and the run, as a deployment sees it.
 
-    python -m opfuse.bench.memory CASE CANDIDATE   ->  prints {"working": ..., "process": ...}
+The same children also give the truly cold compile time: a new process, empty caches,
+nothing of torch's tracing machinery imported or warmed yet (training: the first step).
+
+    python -m opfuse.bench.memory CASE CANDIDATE
+        ->  prints {"working": bytes, "process": bytes, "compile": seconds}
 """
 
 from __future__ import annotations
@@ -78,12 +82,15 @@ TRAINING = frozenset({"BatchNorm training step (32x64x56x56, conv-bn-relu x2)"})
 CANDIDATES = ("eager", "inductor", "inductor-freezing", "opfuse")
 
 
-def child(case: str, candidate: str) -> dict[str, int]:
+def child(case: str, candidate: str) -> dict[str, float]:
+    import time
+
     import opfuse
     from opfuse.runtime import persistent_bytes
 
     start = _status()["VmRSS"]
     model, inputs, training = CASES[case]()
+    t0 = time.perf_counter()
     if training:
         fwd: Any = {
             "eager": lambda: model,
@@ -114,6 +121,7 @@ def child(case: str, candidate: str) -> dict[str, int]:
                 out = fwd(*inputs)
                 del out
 
+    compiled = time.perf_counter() - t0
     gc.collect()
     compile_peak = _status()["VmHWM"]
     kept_before = persistent_bytes()
@@ -125,15 +133,20 @@ def child(case: str, candidate: str) -> dict[str, int]:
     # A pool allocated before the measured run (training: by the compiling step) is
     # memory the run needs too.
     working = s["VmHWM"] - base + kept_before
-    return {"working": working, "process": max(compile_peak, s["VmHWM"]) - start}
+    return {
+        "working": working,
+        "process": max(compile_peak, s["VmHWM"]) - start,
+        "compile": compiled if candidate != "eager" else 0.0,
+    }
 
 
-def measure(case: str) -> dict[str, dict[str, int]]:
-    """{"working" | "process": {candidate: bytes}}, each candidate in a fresh process
-    with empty compile caches."""
+def measure(case: str) -> tuple[dict[str, dict[str, int]], dict[str, float]]:
+    """({"working" | "process": {candidate: bytes}}, {candidate: compile seconds}), each
+    candidate in a fresh process with empty compile caches."""
     import tempfile
 
     out: dict[str, dict[str, int]] = {"working": {}, "process": {}}
+    compile_s: dict[str, float] = {}
     training = case in TRAINING
     for cand in CANDIDATES:
         if training and cand == "inductor-freezing":
@@ -156,7 +169,9 @@ def measure(case: str) -> dict[str, dict[str, int]]:
         got = json.loads(res.stdout.strip().splitlines()[-1])
         for k in out:
             out[k][cand] = got[k]
-    return out
+        if cand != "eager":
+            compile_s[cand] = got["compile"]
+    return out, compile_s
 
 
 if __name__ == "__main__":
