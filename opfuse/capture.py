@@ -222,7 +222,7 @@ def _decompose_functional(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | No
     vals = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
     if not all(isinstance(v, torch.Tensor) for v in vals):
         return None  # a scalar input: run_decompositions knows how it was specialised
-    with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+    with FakeTensorMode(allow_non_fake_inputs=True):
         fakes = [
             torch.empty_strided(
                 tuple(int(s) for s in v.shape),
@@ -232,7 +232,6 @@ def _decompose_functional(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | No
             )
             for v in vals
         ]
-    del mode
 
     def run(*a: Any) -> Any:
         return torch.fx.Interpreter(gm).run(*a)

@@ -20,8 +20,9 @@ from typing import Any
 import torch
 
 from ..ir.graph import CONSTANT, GETITEM, Graph, Node, TensorMeta, bind
-from ..ir.index import Ix
+from ..ir.index import Ix, address
 from ..ir.ops import Kind, info
+from ..ir.scalar import walk
 from .kernel import Kernel
 from .lowering import NotFusable, _Lowering, lower_group, lower_on_domain
 
@@ -184,6 +185,7 @@ def lower_blocked(graph: Graph, anchor: Node, members: Sequence[Node], threads: 
     # computed in the output buffer and the bias added in place.
     kernel, low = lower_on_domain(graph, epi or [anchor], domain, {anchor: gemm_value})
     gemm_buf = low.in_buffers[anchor].name
+    _check_tile_local(kernel, gemm_buf)
     tm, tn = tiles(spec, threads, epilogue=bool(epi))
     return GemmKernel(
         name=_name(anchor, epi),
@@ -194,6 +196,22 @@ def lower_blocked(graph: Graph, anchor: Node, members: Sequence[Node], threads: 
         tile_m=tm,
         tile_n=tn,
     )
+
+
+def _check_tile_local(kernel: Kernel, gemm_buf: str) -> None:
+    """Each tile's epilogue may read only the GEMM results of that tile: the element at
+    its own loop position. An epilogue whose output is a transpose of the GEMM's (attention's
+    bmm -> transpose -> contiguous) runs over the output's positions, and would read results
+    of tiles other threads have not computed yet."""
+    buf = next(b for b in kernel.buffers if b.name == gemm_buf)
+    own = address([Ix.var(v) for v in (*kernel.outer, *kernel.inner)], buf.stride)
+    for p in kernel.passes:
+        for e in walk([s.value for s in (*p.stores, *p.after)]):
+            if e.op == "load" and e.value[0] == gemm_buf and e.value[1] != own:
+                raise NotFusable(
+                    "the epilogue reads the GEMM result in another order than the tiles "
+                    "produce it (a transpose after the GEMM)"
+                )
 
 
 def _broadcast_tail(
