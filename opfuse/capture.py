@@ -223,15 +223,7 @@ def _decompose_functional(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | No
     if not all(isinstance(v, torch.Tensor) for v in vals):
         return None  # a scalar input: run_decompositions knows how it was specialised
     with FakeTensorMode(allow_non_fake_inputs=True):
-        fakes = [
-            torch.empty_strided(
-                tuple(int(s) for s in v.shape),
-                tuple(int(s) for s in v.stride()),
-                dtype=v.dtype,
-                device=v.device,
-            )
-            for v in vals
-        ]
+        fakes = [_static_empty(v) for v in vals]
 
     def run(*a: Any) -> Any:
         return torch.fx.Interpreter(gm).run(*a)
@@ -347,20 +339,20 @@ def _propagate(gm: torch.fx.GraphModule, inputs: Sequence[Any]) -> dict[torch.fx
             return out
 
     with mode:
-        fakes = [
-            torch.empty_strided(
-                tuple(int(s) for s in t.shape),
-                tuple(int(s) for s in t.stride()),
-                dtype=t.dtype,
-                device=t.device,
-                requires_grad=False,
-            )
-            if isinstance(t, torch.Tensor)
-            else _concrete(t)
-            for t in inputs
-        ]
+        fakes = [_static_empty(t) if isinstance(t, torch.Tensor) else _concrete(t) for t in inputs]
         Prop(gm).run(*fakes)
     return vals
+
+
+def _static_empty(t: torch.Tensor) -> torch.Tensor:
+    """An empty tensor (fake, under a FakeTensorMode) of `t`'s shape, strides, dtype and
+    device, symbolic sizes made plain ints."""
+    return torch.empty_strided(
+        tuple(int(s) for s in t.shape),
+        tuple(int(s) for s in t.stride()),
+        dtype=t.dtype,
+        device=t.device,
+    )
 
 
 def _concrete(v: Any) -> Any:
