@@ -14,7 +14,6 @@ import hashlib
 import json
 import os
 import platform
-import statistics
 import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -28,12 +27,12 @@ from .fusion.groups import Group, Partition
 from .ir.graph import CONSTANT, INPUT, Graph, GraphBuilder, Node, TensorMeta
 from .ir.ops import Kind, info
 
-REPS = 5  # samples per candidate (medians of interleaved samples)
+REPS = 5  # samples per candidate (the fastest of interleaved samples counts)
 MIN_SECONDS = 0.02  # and at least this much time per candidate (short kernels are noisy)
 MAX_REPS = 200
 # Long candidates (an LM head's GEMM, 300 ms a call) are not sampled REPS times: past
 # BUDGET seconds of samples for a group, MIN_SAMPLES each are enough; and a candidate
-# whose best sample is SLOWER times the leader's median is no contender.
+# whose best sample is SLOWER times the leader's is no contender.
 BUDGET = 0.3
 MIN_SAMPLES = 2
 SLOWER = 1.12
@@ -43,7 +42,7 @@ SEQUENTIAL_BYTES = 32 << 20  # candidates are timed one after the other above th
 @dataclass(frozen=True)
 class Decision:
     choice: str
-    seconds: dict[str, float]  # median time of each candidate that ran
+    seconds: dict[str, float]  # fastest sample of each candidate that ran
     cached: bool = False
 
     def describe(self) -> str:
@@ -104,11 +103,14 @@ def random_like(m: TensorMeta, g: torch.Generator) -> torch.Tensor:
 def time_candidates(
     candidates: Mapping[str, Callable[[], Any]], reps: int = REPS, beat: float | None = None
 ) -> dict[str, float]:
-    """Median seconds per candidate, interleaved (drift hits all alike), after one warm-up
-    call each; a candidate that raises is dropped. Sampling stops at `reps` samples (and
-    MIN_SECONDS each), or at MIN_SAMPLES once BUDGET seconds are spent; a candidate whose
-    fastest sample is SLOWER times the leader's median (or `beat`, the best time of
-    candidates timed earlier) stops being sampled."""
+    """Seconds per candidate: its fastest sample, interleaved (drift hits all alike), after
+    one warm-up call each; a candidate that raises is dropped. The fastest, not the median:
+    the noise here only adds time, and most of it is not the candidate's (page faults
+    when glibc hands a freed block back to the OS and the next allocation of any candidate
+    faults it in again, ~2 us a page: 8 ms on a 25 MB output). Sampling stops at `reps`
+    samples (and MIN_SECONDS each), or at MIN_SAMPLES once BUDGET seconds are spent; a
+    candidate whose fastest sample is SLOWER times the leader's (or `beat`, the best time
+    of candidates timed earlier) stops being sampled."""
     alive = dict(candidates)
     samples: dict[str, list[float]] = {k: [] for k in alive}
     with torch.no_grad():
@@ -132,18 +134,18 @@ def time_candidates(
                 break
             if n >= MIN_SAMPLES and spent >= BUDGET:
                 break
-    return {k: statistics.median(v) for k, v in samples.items() if v}
+    return {k: min(v) for k, v in samples.items() if v}
 
 
 def _drop_losers(
     alive: dict[str, Callable[[], Any]], samples: dict[str, list[float]], beat: float | None
 ) -> None:
-    medians = [statistics.median(samples[k]) for k in alive]
+    best = [min(samples[k]) for k in alive]
     if beat is not None:
-        medians.append(beat)
-    if len(medians) < 2:
+        best.append(beat)
+    if len(best) < 2:
         return
-    lead = min(medians)
+    lead = min(best)
     for k in list(alive):
         if min(samples[k]) > SLOWER * lead:
             del alive[k]

@@ -20,7 +20,7 @@ import os
 import time
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +30,9 @@ from .explain import make_report
 from .fusion.classify import classify
 from .fusion.groups import Partition, check_partition
 from .fusion.partition import Fuel, partition
-from .ir.graph import Graph
+from .ir.graph import CONSTANT, INPUT, Graph
 from .lower.groups import lower_groups
-from .plan import Built, build_plan
+from .plan import Built, BuiltCall, build_plan
 from .progress import Progress
 from .report import FoldReport, FusionReport, RejectReport
 from .rewrite.batchnorm import Fold, Refusal, fold_batchnorm, lower_batchnorm
@@ -170,6 +170,7 @@ def tune(
                 cands = _made(makers, makers)
                 if not cands:
                     continue  # every library refused: torch runs the group
+                cands = {k: _donation_checked(graph, g.nodes, b) for k, b in cands.items()}
                 d = choose(graph, g, cands, key, _sub_runtime)
             assert d is not None
             log.getChild("autotune").debug("group %d (%s): %s", g.id, g.pattern, d.describe())
@@ -203,7 +204,49 @@ def _io_signature(graph: Graph, g: Any) -> list[str]:
     return out
 
 
-def _sub_runtime(graph: Graph, part: Partition, built: Any) -> Runtime:
+def _donation_checked(graph: Graph, members: list[Any], b: Built | None) -> Built | None:
+    """A library call that can write over its input keeps that variant only when the input
+    dies with the group (the plan checks the rest): then the tuner times the in-place call,
+    which is what will run."""
+    if not isinstance(b, BuiltCall) or b.inplace is None or b.donor is None:
+        return b
+    d = b.inputs[b.donor]
+    inside = {m.name for m in members}
+    if (
+        d.op in (INPUT, CONSTANT)
+        or d in graph.output_set
+        or any(u.name not in inside for u in graph.users[d])
+    ):
+        return replace(b, inplace=None, donor=None)
+    return b
+
+
+class _InPlaceTiming:
+    """Times a library call's in-place variant on the tuner's inputs, over a private copy
+    of the input it writes (the plan only uses that variant on a dead torch result)."""
+
+    def __init__(self, graph: Graph, b: BuiltCall) -> None:
+        assert b.inplace is not None and b.donor is not None
+        self.fn = b.inplace
+        index = {n.name: k for k, n in enumerate(graph.inputs)}
+        self.pos = [index[i.name] for i in b.inputs]
+        self.donor = b.donor
+        self.own: Any = None
+
+    def __call__(self, inputs: list[Any]) -> Any:
+        args = [inputs[p] for p in self.pos]
+        if self.own is None:
+            self.own = args[self.donor].clone()
+        args[self.donor] = self.own
+        return self.fn(*args)
+
+
+def _sub_runtime(graph: Graph, part: Partition, built: Any) -> Any:
+    b = built.get(0)
+    if isinstance(b, BuiltCall) and b.inplace is not None:
+        names = {n.name for n in graph.inputs}
+        if all(i.name in names for i in b.inputs):  # (not through views the subgraph kept)
+            return _InPlaceTiming(graph, b)
     return Runtime(build_plan(graph, part, built))
 
 

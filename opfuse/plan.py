@@ -54,6 +54,10 @@ class BuiltCall:
     inputs: list[Node]
     output: Node
     library: str = "onednn"  # what the report calls it
+    # The same call writing its result over inputs[donor] (when the plan finds that input
+    # dead afterwards): inplace(*inputs) -> that input.
+    inplace: Callable[..., Any] | None = None
+    donor: int | None = None
 
 
 Built = BuiltKernel | BuiltGemm | BuiltCall
@@ -114,6 +118,9 @@ class _Planner:
                 tuple(Slot(self.slot[i]) for i in inputs),
                 {},
                 self.slot[output],
+                inplace=b.inplace,
+                donate=b.donor if b.inplace is not None else None,
+                donor=output.tensor if b.inplace is not None else None,
             )
         )
         for i in inputs:
@@ -263,6 +270,12 @@ def _plan_memory(graph: Graph, p: _Planner) -> tuple[list[int], list[tuple[int, 
         return best
 
     for si, step in enumerate(p.steps):
+        if (
+            isinstance(step, TorchStep)
+            and step.donate is not None
+            and not _donatable(p, step, si, alias_of, aliases, escapes, last_read)
+        ):
+            step.donate = None
         if not isinstance(step, KernelStep):
             continue
         partner = dict(step.inplace)
@@ -330,6 +343,37 @@ def _stealable(
         return False
     others = [a for a in step.args if isinstance(a, In) and a is not src]
     return all(alias_of.get(g.nodes[a.slot], g.nodes[a.slot]) is not base for a in others)
+
+
+def _donatable(
+    p: _Planner,
+    step: TorchStep,
+    si: int,
+    alias_of: dict[Node, Node],
+    aliases: dict[Node, list[Node]],
+    escapes: set[Node],
+    last_read: dict[Node, int],
+) -> bool:
+    """May a library call write its result over its argument `step.donate`? Only over a
+    torch result that no view shares, dead after this step, read by no other argument here,
+    laid out exactly as the result. The runtime still checks that nothing else holds it."""
+    assert step.donate is not None
+    slot = step.args[step.donate]
+    assert isinstance(slot, Slot)
+    node = p.g.nodes[slot.index]
+    out = p.g.nodes[step.output]
+    return (
+        node in p.torch_made
+        and node not in alias_of
+        and not aliases.get(node)
+        and node not in escapes
+        and last_read.get(node) == si
+        and sum(a == slot for a in step.args) == 1
+        and isinstance(node.meta, TensorMeta)
+        and isinstance(out.meta, TensorMeta)
+        and (node.meta.shape, node.meta.stride, node.meta.dtype)
+        == (out.meta.shape, out.meta.stride, out.meta.dtype)
+    )
 
 
 def _same_order(a: TensorMeta, b: TensorMeta) -> bool:

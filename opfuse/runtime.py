@@ -81,6 +81,12 @@ class TorchStep:
     args: tuple[Any, ...]  # with Slot markers
     kwargs: dict[str, Any]
     output: int
+    # A library call that can write its result over one of its arguments (oneDNN's
+    # conv + add): `inplace` is called instead of `fn` when the argument at position
+    # `donate` is dead after this step and, at run time, nothing else holds it.
+    inplace: Callable[..., Any] | None = None
+    donate: int | None = None
+    donor: TensorMeta | None = None  # the layout the donated tensor must have
 
 
 @dataclass(frozen=True)
@@ -205,7 +211,11 @@ class Runtime:
                 assert isinstance(step, TorchStep)
                 args = _resolve(step.args, env)
                 kwargs = {k: _resolve(v, env) for k, v in step.kwargs.items()}
-                env[step.output] = step.fn(*args, **kwargs)
+                if step.donate is not None and _donate(env, step, args):
+                    assert step.inplace is not None
+                    env[step.output] = step.inplace(*args, **kwargs)
+                else:
+                    env[step.output] = step.fn(*args, **kwargs)
                 args = kwargs = None  # type: ignore[assignment]
             t = None
             for s in frees[si]:
@@ -255,6 +265,28 @@ def _take(env: list[Any], a: Out, src: KernelArg) -> torch.Tensor | None:
         if t.is_contiguous() and a.meta.is_contiguous():
             return t.view(a.meta.shape)
     return None
+
+
+def _donate(env: list[Any], step: TorchStep, args: tuple[Any, ...]) -> bool:
+    """May the step's in-place variant write over args[step.donate]? Only if env and args
+    are its only holders (a caller's tensor or a live view would show in the counts) and
+    it has the layout the plan expected."""
+    assert step.donate is not None and step.donor is not None
+    t = args[step.donate]
+    m = step.donor
+    if (
+        type(t) is torch.Tensor
+        and sys.getrefcount(t) <= 4  # env, args, t, getrefcount's argument
+        and _storage_use_count(t.untyped_storage()._cdata) <= 2
+        and t.dtype == m.dtype
+        and tuple(t.shape) == m.shape
+        and tuple(t.stride()) == m.stride
+    ):
+        slot = step.args[step.donate]
+        assert type(slot) is Slot
+        env[slot.index] = None
+        return True
+    return False
 
 
 def _typed(block: torch.Tensor, m: TensorMeta) -> torch.Tensor:

@@ -331,3 +331,49 @@ def test_attention_output_transpose_after_bmm(batch: int, impl: str | None) -> N
     (g,) = anchored(r, "gemm_epilogue")
     assert not g.implementation.startswith("blocked"), g.implementation
     assert "another order than the tiles produce it" in g.implementation
+
+
+class _TwoBranches(nn.Module):
+    """conv -> relu -> conv, plus a residual: the downsample conv's output (a dead torch
+    result the tail may write over), the block input, or the downsample output read again."""
+
+    def __init__(self, residual: str) -> None:
+        super().__init__()
+        self.residual = residual
+        self.a = nn.Conv2d(8, 8, 3, padding=1)
+        self.b = nn.Conv2d(8, 16, 1)
+        self.down = nn.Conv2d(8, 16, 1)
+        self.head = nn.Conv2d(16, 4, 1)  # the next block: the tail's output stays inside
+
+    def forward(self, x: torch.Tensor, r: torch.Tensor) -> Any:
+        identity = r if self.residual == "input" else self.down(x)
+        y = self.head(torch.relu(self.b(torch.relu(self.a(x))) + identity))
+        if self.residual == "read_later":
+            return y, self.head(identity)
+        if self.residual == "output":
+            return y, identity
+        return y
+
+
+def _donating(fast: Any) -> list[Any]:
+    from opfuse.runtime import TorchStep
+
+    steps = fast._first.compiled.run.plan.steps
+    return [s for s in steps if isinstance(s, TorchStep) and s.donate is not None]
+
+
+@pytest.mark.parametrize("impl", ["onednn", "onednn-nhwc"])
+@pytest.mark.parametrize("residual", ["dead", "input", "read_later", "output"])
+def test_conv_add_writes_over_a_dead_residual_only(impl: str, residual: str) -> None:
+    torch.manual_seed(0)
+    m = _TwoBranches(residual).eval()
+    x, r = torch.randn(2, 8, 10, 10), torch.randn(2, 16, 10, 10)
+    r_before = r.clone()
+    fast = opfuse.compile(m, (x, r), options=opfuse.Options(implementation=impl))
+    tail = [g for g in anchored(fast.report, "conv_epilogue") if "aten.add.Tensor" in g.ops]
+    assert len(tail) == 1 and tail[0].implementation.startswith("onednn"), str(fast.report)
+    # oneDNN accumulates into the residual itself when nothing else can see it
+    assert len(_donating(fast)) == (1 if residual == "dead" else 0)
+    for _ in range(3):  # the written-over tensor is the previous call's: no stale values
+        assert_matches_eager(m, fast(x, r), (x, r))
+    assert torch.equal(r, r_before)  # a caller's tensor is never written over

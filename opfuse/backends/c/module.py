@@ -311,7 +311,30 @@ def _conv_call(graph: Graph, plan: OneDnnPlan, channels_last: bool) -> BuiltCall
             )
         )
 
-    return BuiltCall(call2, [x, plan.other], plan.output)
+    if battr != "add" or fmt != (cl if want is cl else None):
+        return BuiltCall(call2, [x, plan.other], plan.output)
+    # oneDNN's sum post-op accumulates into `other` itself: when the residual is dead after
+    # the conv (ResNet's block tail) no output is allocated and one pass over memory saved.
+    op_ = torch.ops.mkldnn._convolution_pointwise_
+
+    def call2_(xv: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return op_.binary(
+            other,
+            prep(xv),
+            packed,
+            bias,
+            padding,
+            stride,
+            dilation,
+            groups,
+            battr,
+            1.0,
+            uattr,
+            [],
+            None,
+        )
+
+    return BuiltCall(call2, [x, plan.other], plan.output, inplace=call2_, donor=1)
 
 
 def _prepack(weight: torch.Tensor, dims: int, a: dict[str, Any], in_shape: list[int]) -> Any:
