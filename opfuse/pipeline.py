@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from .autotune import Decision, choose, decision_key, load_decision
+from .autotune import Decision, Noise, choose, decision_key, load_decision
 from .backends.c.module import Make, Module, Unavailable, build_module
 from .explain import make_report
 from .fusion.classify import classify
@@ -153,6 +153,7 @@ def tune(
     built: dict[int, Built] = {}
     decisions: dict[int, Decision] = {}
     several = [g for g in part.groups if len(module.candidates.get(g.id, {})) > 1]
+    noise = Noise()  # timing inputs for every group, from one random draw
     with Progress(len(several), "timing implementations") as bar:
         for g in part.groups:
             makers = module.candidates.get(g.id, {})
@@ -171,7 +172,7 @@ def tune(
                 if not cands:
                     continue  # every library refused: torch runs the group
                 cands = {k: _donation_checked(graph, g.nodes, b) for k, b in cands.items()}
-                d = choose(graph, g, cands, key, _sub_runtime)
+                d = choose(graph, g, cands, key, _sub_runtime, noise)
             assert d is not None
             log.getChild("autotune").debug("group %d (%s): %s", g.id, g.pattern, d.describe())
             decisions[g.id] = d

@@ -184,7 +184,7 @@ def test_candidates_are_made_per_group_and_only_the_chosen_one_when_remembered(
             made.append((id(makers), weakref.ref(c) if c is not None else None))
         return out
 
-    def choose(graph: Any, group: Any, cands: Any, key: str, run_plan: Any) -> Any:
+    def choose(graph: Any, group: Any, cands: Any, key: str, run_plan: Any, noise: Any) -> Any:
         mine = made[-1][0]
         earlier = {m for m, _ in made if m != mine}
         still = [r for m, r in made if m != mine and r is not None and r() is not None]
