@@ -4,6 +4,7 @@ entry point, so it works without importing opfuse first."""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -15,6 +16,9 @@ from .capture import capture_fx, decompositions
 from .explain import count_kernels
 from .pipeline import CompiledGraph, Options, compile_graph, warn_once
 from .report import FusionReport
+from .rewrite.fx_layout import channels_last_convolutions
+
+log = logging.getLogger("opfuse")
 
 # Reports of graphs compiled on this thread go here while collect_reports() listens.
 _listeners = threading.local()
@@ -95,6 +99,12 @@ def opfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kw
         decompositions=decompositions(),
         partition_fn=min_cut_rematerialization_partition,
     )
+    relaid = channels_last_convolutions(gm)
+    if relaid is not None:
+        try:
+            return backend(relaid, example_inputs)
+        except Exception as e:  # a view only NCHW allows: trace the graph as it was
+            log.debug("channels-last declined: %s: %s", type(e).__name__, e)
     return backend(gm, example_inputs)
 
 

@@ -4,6 +4,7 @@ case, on rows, columns, middle and several dims, full reductions, every schedule
 from __future__ import annotations
 
 import copy
+import re
 from typing import Any
 
 import pytest
@@ -158,14 +159,22 @@ def test_half_sums_accumulate_in_float(dtype: torch.dtype) -> None:
         (lambda a: a.softmax(-1), (2, 1 << 20), "split"),
         (lambda a: torch.var_mean(a, -1), (3, 1 << 19), "split"),
         (lambda a: a.argmax(), (1 << 21,), "split"),
-        (lambda a: a.sum(0), (4096, 64), "columns"),
+        (lambda a: a.sum(0), (64, 40000), "columns"),
         (lambda a: a.softmax(-1), (512, 512), "rows"),
+        # too few column blocks for the threads: they split the rows and merge lanes
+        (lambda a: a.sum(0), (4096, 64), "columns_split"),
+        (lambda a: a / a.sum(0), (4099, 70), "columns_split"),
+        (lambda a: a.softmax(0), (3001, 600), "columns_split"),
+        (lambda a: a.argmax(0), (20000, 5), "columns_split"),
+        (lambda a: a.amin(0), (20000, 5), "columns_split"),
+        (lambda a: torch.var_mean(a + 1e4, 0), (9000, 33), "columns_split"),
+        (lambda a: (a > 0).any(0), (20000, 7), "columns_split"),
     ],
 )
 def test_schedules(fn, shape, schedule) -> None:  # type: ignore[no-untyped-def]
     x = torch.randn(shape, generator=torch.Generator().manual_seed(2))
     src = source(fn, x)
-    assert f"schedule {schedule}" in src
+    assert re.findall(r"schedule (\w+)", src) == [schedule]
     m = Fn(fn).eval()
     assert_matches_eager(m, opfuse.compile(m, (x,))(x), (x,))
 
@@ -175,6 +184,25 @@ def test_channels_last_statistics_use_columns() -> None:
     fn = lambda a: torch.var_mean(a, (0, 2, 3), correction=0)
     assert "schedule columns" in source(fn, x)
     one_kernel(fn, x)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_batchnorm_statistics_channels_last_split_across_threads(threads: int) -> None:
+    # 64 channels are one block of lanes: the threads share the 25088 rows, merge their
+    # Welford lanes, then each normalises its own rows. Mean 1e4: no cancellation.
+    x = (torch.randn(8, 64, 56, 56) + 1e4).contiguous(memory_format=torch.channels_last)
+
+    def bn(a: torch.Tensor) -> Any:
+        v, m = torch.var_mean(a, (0, 2, 3), keepdim=True, correction=0)
+        return (a - m) * torch.rsqrt(v + 1e-5), m, v
+
+    assert "schedule columns_split" in source(bn, x)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        one_kernel(bn, x)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_nan_and_inf_semantics() -> None:

@@ -9,7 +9,9 @@ import socket
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -199,3 +201,86 @@ def test_ddp_two_processes_matches_single_process_eager(tmp_path) -> None:  # ty
     )
     for a, b in zip(result["params"], model.parameters()):
         torch.testing.assert_close(a, b.detach(), rtol=1e-4, atol=1e-6)
+
+
+class ConvNet(nn.Module):
+    """conv -> BN -> relu -> conv (+ residual), then a head; `view_nchw` views a feature map
+    in a way only the NCHW layout allows (channels-last must then step aside)."""
+
+    def __init__(self, view_nchw: bool = False, return_map: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.view_nchw, self.return_map = view_nchw, return_map
+        self.c1, self.bn = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.fc = nn.Linear(8 * 6 * 6 if view_nchw else 8, 4)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = torch.relu(self.bn(self.c1(x)))
+        y = torch.relu(self.c2(y) + y)
+        flat = y.view(y.shape[0], -1) if self.view_nchw else y.mean((2, 3))
+        out = self.fc(flat)
+        return (out, y) if self.return_map else out
+
+
+@pytest.mark.parametrize("case", ["plain", "view_nchw", "return_map"])
+def test_conv_training_runs_channels_last_and_matches_eager(case: str) -> None:
+    from opfuse.rewrite import fx_layout
+
+    kw = {"view_nchw": case == "view_nchw", "return_map": case == "return_map"}
+    m1, m2 = ConvNet(**kw), ConvNet(**kw)
+    relaid: list[bool] = []
+    real = fx_layout.channels_last_convolutions
+
+    def spy(gm: torch.fx.GraphModule) -> Any:
+        out = real(gm)
+        relaid.append(out is not None)
+        return out
+
+    torch._dynamo.reset()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("opfuse.dynamo.channels_last_convolutions", spy)
+        fast = torch.compile(m1, backend="opfuse")
+        g = torch.Generator().manual_seed(3)
+        for _ in range(2):
+            x = torch.randn(4, 3, 6, 6, generator=g)
+            outs = [fast(x), m2(x)]
+            if case == "return_map":
+                (a, fa), (b, fb) = outs
+                assert fa.is_contiguous() and fa.stride() == fb.stride()  # eager's strides
+                torch.testing.assert_close(fa, fb, rtol=1e-4, atol=1e-5)
+            else:
+                a, b = outs
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+            a.square().mean().backward()
+            b.square().mean().backward()
+    assert relaid and relaid[0]  # the pass offered a channels-last graph
+    for p1, p2 in zip(m1.parameters(), m2.parameters()):
+        assert p1.grad is not None and p2.grad is not None
+        assert p1.grad.stride() == p2.grad.stride()
+        torch.testing.assert_close(p1.grad, p2.grad, rtol=1e-4, atol=1e-5)
+    for b1, b2 in zip(m1.buffers(), m2.buffers()):
+        torch.testing.assert_close(b1, b2)
+
+
+def test_fx_layout_relays_convolution_inputs_only() -> None:
+    from opfuse.rewrite.fx_layout import channels_last_convolutions
+
+    graphs: list[torch.fx.GraphModule] = []
+
+    def grab(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    net = ConvNet(return_map=True)
+    torch.compile(net, backend=grab)(torch.randn(2, 3, 6, 6))
+    relaid = channels_last_convolutions(graphs[0])
+    assert relaid is not None
+    calls = [n for n in relaid.graph.nodes if n.op == "call_method" and n.target == "contiguous"]
+    layouts = [n.kwargs.get("memory_format") for n in calls]
+    # two convolution inputs, and the feature map returned as eager returns it
+    assert layouts.count(torch.channels_last) == 2 and layouts.count(None) == 1
+    # no convolution: nothing to do
+    lin = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    assert channels_last_convolutions(lin) is None

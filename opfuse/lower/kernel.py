@@ -134,4 +134,5 @@ class Kernel:
     def parallel(self) -> bool:
         """Whether threads share the work: below PARALLEL_MIN elements, waking the team
         costs more than it saves."""
-        return self.schedule == "split" or self.outer_size * self.inner_size >= PARALLEL_MIN
+        split = self.schedule in ("split", "columns_split")
+        return split or self.outer_size * self.inner_size >= PARALLEL_MIN

@@ -19,6 +19,7 @@ from .kernel import Kernel, Pass, Store
 # A reduction whose rows are too few to keep every thread busy splits each row.
 SPLIT_MAX_OUTER = 16
 SPLIT_MIN_INNER = 1 << 15
+COLUMN_LANES = 512  # outputs per block in the columns schedules (measured: 64 to 512)
 
 
 def accesses(k: Kernel) -> list[tuple[str, Ix]]:
@@ -146,13 +147,21 @@ def _choose(k: Kernel) -> str:
     """rows: each thread reduces whole rows, lanes along the reduced dimension.
     columns: the dimension memory walks contiguously is a kept one (a reduction over
     leading dims, channels-last statistics): lanes are neighbouring outputs.
-    split: few long rows: every thread takes a slice of each row."""
+    split: few long rows: every thread takes a slice of each row.
+    columns_split: columns, but too few blocks of them for the threads (BatchNorm
+    statistics of 64 channels-last channels: one block): every thread takes a slice of the
+    reduced rows and the threads merge their lanes."""
     if not k.inner:
         return "pointwise"
     primary = _largest_load(k)
     if primary is not None and k.outer:
         unit = [v for v in (*k.outer, *k.inner) if abs(primary.coef(v)) == 1]
         if unit and unit[0] == k.outer[-1] and primary.is_affine():
+            vec = k.outer[-1]
+            blocks = (k.outer_size // vec.extent) * -(-vec.extent // COLUMN_LANES)
+            work = k.inner_size * min(vec.extent, COLUMN_LANES)
+            if blocks < SPLIT_MAX_OUTER and work >= SPLIT_MIN_INNER:
+                return "columns_split"
             return "columns"
     if k.outer_size < SPLIT_MAX_OUTER and k.inner_size >= SPLIT_MIN_INNER:
         return "split"

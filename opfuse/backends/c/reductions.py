@@ -12,6 +12,7 @@ import torch
 from ...ir.index import Var
 from ...ir.scalar import Expr
 from ...lower.kernel import Accumulate, Kernel, Pass
+from ...lower.schedule import COLUMN_LANES
 from .emit import (
     _INT_LIMITS,
     VALUE,
@@ -30,9 +31,6 @@ WELFORD_LANES = 64
 
 def lanes_for(accs: Sequence[Accumulate]) -> int:
     return WELFORD_LANES if any(a.combine == "welford" for a in accs) else LANES
-
-
-COLUMN_LANES = 64  # outputs per block in the columns schedule: 4 cache lines of float32
 
 
 # _mean / _m2 / _cnt, per-thread partials NAME_P.. (split schedule).
@@ -466,17 +464,23 @@ def _reset_value(a: Accumulate, part: str) -> str:
     return _lane_fields(a)[0][2]
 
 
-def columns(k: Kernel, lines: list[str]) -> None:
+def columns(k: Kernel, lines: list[str], split: bool = False) -> None:
     """Lanes are neighbouring outputs: the kept dimension memory walks contiguously (the
-    last outer variable) is cut into blocks of COLUMN_LANES; every lane reduces its own column."""
+    last outer variable) is cut into blocks of COLUMN_LANES; every lane reduces its own
+    column. Split: all threads work on each block, each over its slice of the first reduced
+    variable; they publish their lanes, and every thread merges all of them (the passes
+    after need the results) between two barriers."""
     *rest, vec = k.outer
     blocks = (vec.extent + COLUMN_LANES - 1) // COLUMN_LANES
-    if k.parallel:
+    indent = "  "
+    if split:
+        _open_split_region(k, lines, k.inner[0].extent, COLUMN_LANES)
+        indent = "    "
+    elif k.parallel:
         lines.append(
             f"  #pragma omp parallel for collapse({len(rest) + 1}) num_threads(nthreads) "
             "schedule(static)"
         )
-    indent = "  "
     for v in rest:
         lines.append(for_loop(v, indent))
         indent += "  "
@@ -490,13 +494,16 @@ def columns(k: Kernel, lines: list[str]) -> None:
     for p in k.passes:
         _declare_lanes(p.accumulates, lines, indent, COLUMN_LANES)
         ind = indent
-        for v in k.inner:
-            lines.append(for_loop(v, ind))
+        for i, v in enumerate(k.inner):
+            lo, hi = ("lo", "hi") if split and i == 0 else ("0", str(v.extent))
+            lines.append(f"{ind}for (int64_t {v.name} = {lo}; {v.name} < {hi}; {v.name}++) {{")
             ind += "  "
         _lane_loop(em, p, lines, ind, "nl", lane)
         for _ in k.inner:
             ind = ind[:-2]
             lines.append(f"{ind}}}")
+        if split and p.accumulates:
+            _merge_column_lanes(p.accumulates, lines, indent)
         for a in p.accumulates:
             for part, suffix in _lane_parts(a):
                 dtype = torch.int64 if part == "index" else a.acc_dtype
@@ -504,18 +511,92 @@ def columns(k: Kernel, lines: list[str]) -> None:
                     dtype = a.value.dtype
                 em.scopes[0][Expr("acc", (), dtype, (a.name, part))] = f"{a.name}_L{suffix}[l]"
         if p.after:
-            lines.append(f"{indent}#pragma omp simd")
-            lines.append(f"{indent}for (int l = 0; l < nl; l++) {{")
-            lines.append(f"{indent}  {lane}")
+            ind = indent
+            if split:  # one thread writes the per-column results
+                lines.append(f"{indent}if (tid == 0) {{")
+                ind += "  "
+            lines.append(f"{ind}#pragma omp simd")
+            lines.append(f"{ind}for (int l = 0; l < nl; l++) {{")
+            lines.append(f"{ind}  {lane}")
             em.scopes.append({})
-            emit_stores(em, p.after, lines, indent + "  ")
+            emit_stores(em, p.after, lines, ind + "  ")
             em.scopes.pop()
-            lines.append(f"{indent}}}")
+            lines.append(f"{ind}}}")
+            if split:
+                lines.append(f"{indent}}}")
     lines.append(f"{indent[:-2]}}}")
     indent = indent[:-2]
     for _ in rest:
         indent = indent[:-2]
         lines.append(f"{indent}}}")
+    if split:
+        lines.append("  }")
+
+
+def _open_split_region(k: Kernel, lines: list[str], ext: int, align: int) -> None:
+    """Partial arrays (shared), then the parallel region with this thread's [lo, hi) of the
+    first reduced variable."""
+    for p in k.passes:
+        for a in p.accumulates:
+            for suffix, t, _ in _lane_fields(a):
+                lines.append(f"  {t} {a.name}_P{suffix}[(nthreads > 0 ? nthreads : 1) * {align}];")
+            if a.combine == "welford":
+                t = VALUE[a.acc_dtype]
+                lines.append(f"  {t} {a.name}_Pcnt[nthreads > 0 ? nthreads : 1];")
+    lines.append("  #pragma omp parallel num_threads(nthreads)")
+    lines.append("  {")
+    lines.append("    const int nt = omp_get_num_threads(), tid = omp_get_thread_num();")
+    lines.append(f"    const int64_t chunk = ({ext} + nt - 1) / nt;")
+    lines.append(f"    const int64_t lo = tid * chunk < {ext} ? tid * chunk : {ext};")
+    lines.append(f"    const int64_t hi = lo + chunk < {ext} ? lo + chunk : {ext};")
+
+
+def _merge_column_lanes(accs: Sequence[Accumulate], lines: list[str], ind: str) -> None:
+    """Publish this thread's lanes, wait, fold every thread's lanes into ours, wait (no
+    thread may overwrite the partials before all have read them)."""
+    w = COLUMN_LANES
+    for a in accs:
+        copy = " ".join(
+            f"{a.name}_P{s}[tid * {w} + l] = {a.name}_L{s}[l];" for s, _, _ in _lane_fields(a)
+        )
+        lines.append(f"{ind}for (int l = 0; l < nl; l++) {{ {copy} }}")
+        if a.combine == "welford":
+            lines.append(f"{ind}{a.name}_Pcnt[tid] = {a.name}_n;")
+    lines.append(f"{ind}#pragma omp barrier")
+    for a in accs:
+        t = VALUE[a.acc_dtype]
+        reset = " ".join(f"{a.name}_L{s}[l] = {v};" for s, _, v in _lane_fields(a))
+        if a.combine == "welford":
+            lines.append(f"{ind}{t} {a.name}_Lcnt[{w}];")
+            reset += f" {a.name}_Lcnt[l] = 0;"
+        lines.append(f"{ind}for (int l = 0; l < nl; l++) {{ {reset} }}")
+        lines.append(f"{ind}for (int q = 0; q < nt; q++)")
+        lines.append(f"{ind}  for (int l = 0; l < nl; l++) {_merge_lane(a, f'q * {w} + l')}")
+    lines.append(f"{ind}#pragma omp barrier")
+
+
+def _merge_lane(a: Accumulate, idx: str) -> str:
+    """Fold element `idx` of the partial arrays NAME_P.. into lane l of NAME_L.."""
+    n, t = a.name, VALUE[a.acc_dtype]
+    dst, src = f"{n}_L", f"{n}_P"
+    if a.combine in ("sum", "prod", "any", "all"):
+        op = {"sum": "+", "prod": "*", "any": "|", "all": "&"}[a.combine]
+        return f"{dst}[l] = {dst}[l] {op} {src}[{idx}];"
+    if a.combine in ("max", "min"):
+        if a.acc_dtype.is_floating_point:
+            return f"{dst}[l] = op_{a.combine}_{t}({dst}[l], {src}[{idx}]);"
+        cmp = "<" if a.combine == "max" else ">"
+        return f"{dst}[l] = ({dst}[l] {cmp} {src}[{idx}]) ? {src}[{idx}] : {dst}[l];"
+    if a.combine in ("argmax", "argmin"):
+        f = "op_take_max" if a.combine == "argmax" else "op_take_min"
+        return (
+            f"if ({f}_{t}({src}v[{idx}], {src}i[{idx}], {dst}v[l], {dst}i[l])) "
+            f"{{ {dst}v[l] = {src}v[{idx}]; {dst}i[l] = {src}i[{idx}]; }}"
+        )
+    return (
+        f"op_welford_merge_{t}(&{dst}cnt[l], &{dst}mean[l], &{dst}m2[l], {src}cnt[q], "
+        f"{src}mean[{idx}], {src}m2[{idx}]);"
+    )
 
 
 def _lane_parts(a: Accumulate) -> list[tuple[str, str]]:

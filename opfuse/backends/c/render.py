@@ -1,6 +1,6 @@
 """Kernel -> C source with OpenMP. Formatting only: every semantic choice was made in
 lowering; formulas come from the primitive table (ir.scalar.PRIMS) and conversions from
-emit.py. Reduction schedules (rows, split, columns) are in reductions.py.
+emit.py. Reduction schedules (rows, split, columns, columns_split) are in reductions.py.
 
 Each kernel becomes `int NAME(void *const *args, int nthreads)` returning 0, or 1 when an
 integer division by zero happened (torch raises ZeroDivisionError there).
@@ -46,8 +46,8 @@ def render_kernel(name: str, k: Kernel) -> str:
         _pointwise(k, lines)
     elif k.schedule == "rows":
         rows(k, lines)
-    elif k.schedule == "columns":
-        columns(k, lines)
+    elif k.schedule in ("columns", "columns_split"):
+        columns(k, lines, split=k.schedule == "columns_split")
     else:
         split(k, lines)
     lines.append("  return err;")
