@@ -43,6 +43,7 @@ def channels_last_convolutions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule
     ):
         return None
     new = torch.fx.GraphModule(gm, _copy_graph(gm.graph))
+    new.meta.update(gm.meta)  # what dynamo tells AOTAutograd (parameter names, sources)
     g = new.graph
     for n in g.nodes:
         if n.op != "call_function" or n.target not in _CONVS:
