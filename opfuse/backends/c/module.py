@@ -290,49 +290,31 @@ def _conv_call(graph: Graph, plan: OneDnnPlan, channels_last: bool) -> BuiltCall
 
         return BuiltCall(call, [x], plan.output)
     assert plan.other is not None
-    battr, uattr = plan.binary, plan.unary
+    rest: tuple[Any, ...] = (
+        packed,
+        bias,
+        padding,
+        stride,
+        dilation,
+        groups,
+        plan.binary,
+        1.0,
+        plan.unary,
+        [],
+        None,
+    )
 
     def call2(xv: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        return fix(
-            op.binary(
-                prep(xv),
-                prep(other),
-                packed,
-                bias,
-                padding,
-                stride,
-                dilation,
-                groups,
-                battr,
-                1.0,
-                uattr,
-                [],
-                None,
-            )
-        )
+        return fix(op.binary(prep(xv), prep(other), *rest))
 
-    if battr != "add" or fmt != (cl if want is cl else None):
+    if plan.binary != "add" or fmt != (cl if want is cl else None):
         return BuiltCall(call2, [x, plan.other], plan.output)
     # oneDNN's sum post-op accumulates into `other` itself: when the residual is dead after
     # the conv (ResNet's block tail) no output is allocated and one pass over memory saved.
     op_ = torch.ops.mkldnn._convolution_pointwise_
 
     def call2_(xv: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        return op_.binary(
-            other,
-            prep(xv),
-            packed,
-            bias,
-            padding,
-            stride,
-            dilation,
-            groups,
-            battr,
-            1.0,
-            uattr,
-            [],
-            None,
-        )
+        return op_.binary(other, prep(xv), *rest)
 
     return BuiltCall(call2, [x, plan.other], plan.output, inplace=call2_, donor=1)
 

@@ -118,26 +118,34 @@ def _update(a: Accumulate, v: str, lane: str, pos: str, indent: str, tail: bool)
     ]
 
 
-def _merge_step(a: Accumulate, src: str, idx: str) -> str:
-    """Fold element `idx` of the arrays named `src`+suffix into the NAME_ results."""
+def _merge_step(
+    a: Accumulate, src: str, idx: str, lane: bool = False, cnt_idx: str | None = None
+) -> str:
+    """Fold element `idx` of the arrays named `src`+suffix into the NAME_ results, or with
+    `lane` into lane l of the NAME_L.. arrays (a Welford count at `cnt_idx` then)."""
     n, t = a.name, VALUE[a.acc_dtype]
+
+    def dst(part: str) -> str:
+        return f"{n}_L{_suffix(a, part)}[l]" if lane else f"{n}_{part}"
+
+    v, i = dst("value"), dst("index")
     if a.combine in ("sum", "prod", "any", "all"):
         op = {"sum": "+", "prod": "*", "any": "|", "all": "&"}[a.combine]
-        return f"{n}_value = {n}_value {op} {src}[{idx}];"
+        return f"{v} = {v} {op} {src}[{idx}];"
     if a.combine in ("max", "min"):
         if a.acc_dtype.is_floating_point:
-            return f"{n}_value = op_{a.combine}_{t}({n}_value, {src}[{idx}]);"
+            return f"{v} = op_{a.combine}_{t}({v}, {src}[{idx}]);"
         cmp = "<" if a.combine == "max" else ">"
-        return f"{n}_value = ({n}_value {cmp} {src}[{idx}]) ? {src}[{idx}] : {n}_value;"
+        return f"{v} = ({v} {cmp} {src}[{idx}]) ? {src}[{idx}] : {v};"
     if a.combine in ("argmax", "argmin"):
         f = "op_take_max" if a.combine == "argmax" else "op_take_min"
         return (
-            f"if ({f}_{t}({src}v[{idx}], {src}i[{idx}], {n}_value, {n}_index)) "
-            f"{{ {n}_value = {src}v[{idx}]; {n}_index = {src}i[{idx}]; }}"
+            f"if ({f}_{t}({src}v[{idx}], {src}i[{idx}], {v}, {i})) "
+            f"{{ {v} = {src}v[{idx}]; {i} = {src}i[{idx}]; }}"
         )
     return (
-        f"op_welford_merge_{t}(&{n}_cnt, &{n}_mean, &{n}_m2, {src}cnt[{idx}], "
-        f"{src}mean[{idx}], {src}m2[{idx}]);"
+        f"op_welford_merge_{t}(&{dst('cnt')}, &{dst('mean')}, &{dst('m2')}, "
+        f"{src}cnt[{cnt_idx or idx}], {src}mean[{idx}], {src}m2[{idx}]);"
     )
 
 
@@ -571,32 +579,9 @@ def _merge_column_lanes(accs: Sequence[Accumulate], lines: list[str], ind: str) 
             reset += f" {a.name}_Lcnt[l] = 0;"
         lines.append(f"{ind}for (int l = 0; l < nl; l++) {{ {reset} }}")
         lines.append(f"{ind}for (int q = 0; q < nt; q++)")
-        lines.append(f"{ind}  for (int l = 0; l < nl; l++) {_merge_lane(a, f'q * {w} + l')}")
+        step = _merge_step(a, f"{a.name}_P", f"q * {w} + l", lane=True, cnt_idx="q")
+        lines.append(f"{ind}  for (int l = 0; l < nl; l++) {step}")
     lines.append(f"{ind}#pragma omp barrier")
-
-
-def _merge_lane(a: Accumulate, idx: str) -> str:
-    """Fold element `idx` of the partial arrays NAME_P.. into lane l of NAME_L.."""
-    n, t = a.name, VALUE[a.acc_dtype]
-    dst, src = f"{n}_L", f"{n}_P"
-    if a.combine in ("sum", "prod", "any", "all"):
-        op = {"sum": "+", "prod": "*", "any": "|", "all": "&"}[a.combine]
-        return f"{dst}[l] = {dst}[l] {op} {src}[{idx}];"
-    if a.combine in ("max", "min"):
-        if a.acc_dtype.is_floating_point:
-            return f"{dst}[l] = op_{a.combine}_{t}({dst}[l], {src}[{idx}]);"
-        cmp = "<" if a.combine == "max" else ">"
-        return f"{dst}[l] = ({dst}[l] {cmp} {src}[{idx}]) ? {src}[{idx}] : {dst}[l];"
-    if a.combine in ("argmax", "argmin"):
-        f = "op_take_max" if a.combine == "argmax" else "op_take_min"
-        return (
-            f"if ({f}_{t}({src}v[{idx}], {src}i[{idx}], {dst}v[l], {dst}i[l])) "
-            f"{{ {dst}v[l] = {src}v[{idx}]; {dst}i[l] = {src}i[{idx}]; }}"
-        )
-    return (
-        f"op_welford_merge_{t}(&{dst}cnt[l], &{dst}mean[l], &{dst}m2[l], {src}cnt[q], "
-        f"{src}mean[{idx}], {src}m2[{idx}]);"
-    )
 
 
 def _lane_parts(a: Accumulate) -> list[tuple[str, str]]:
