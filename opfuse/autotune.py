@@ -27,7 +27,7 @@ from .fusion.groups import Group, Partition
 from .ir.graph import CONSTANT, INPUT, Graph, GraphBuilder, Node, TensorMeta
 from .ir.ops import Kind, info
 
-REPS = 3  # samples per candidate (the fastest of interleaved samples counts)
+REPS = 4  # samples per candidate, the first call's included (the fastest one counts)
 MIN_SECONDS = 0.02  # and at least this much time per candidate (short kernels are noisy)
 MAX_REPS = 200
 # Long candidates (an LM head's GEMM, 300 ms a call) are not sampled REPS times: past
@@ -114,26 +114,34 @@ class Noise:
 
 
 def time_candidates(
-    candidates: Mapping[str, Callable[[], Any]], reps: int = REPS, beat: float | None = None
+    candidates: Mapping[str, Callable[[], Any]],
+    reps: int = REPS,
+    beat: float | None = None,
+    budget: float = BUDGET,
 ) -> dict[str, float]:
-    """Seconds per candidate: its fastest sample, interleaved (drift hits all alike), after
-    one warm-up call each; a candidate that raises is dropped. The fastest, not the median:
+    """Seconds per candidate: its fastest sample, interleaved (drift hits all alike); a
+    candidate that raises is dropped. The fastest, not the median:
     the noise here only adds time, and most of it is not the candidate's (page faults
     when glibc hands a freed block back to the OS and the next allocation of any candidate
     faults it in again, ~2 us a page: 8 ms on a 25 MB output). Sampling stops at `reps`
-    samples (and MIN_SECONDS each), or at MIN_SAMPLES once BUDGET seconds are spent; a
+    samples (and MIN_SECONDS each), or at MIN_SAMPLES once `budget` seconds are spent; a
     candidate whose fastest sample is SLOWER times the leader's (or `beat`, the best time
     of candidates timed earlier) stops being sampled."""
     alive = dict(candidates)
     samples: dict[str, list[float]] = {k: [] for k in alive}
     with torch.no_grad():
         for k in list(alive):
+            t0 = time.perf_counter()
             try:
-                alive[k]()  # one-time costs: primitive creation, first touch of the pool
+                alive[k]()
             except Exception:
                 del alive[k]
-        spent = 0.0
-        n = 0
+                continue
+            # The first call pays one-time costs (primitive creation, first touch of the
+            # pool); as the first sample it costs nothing extra: the fastest one counts.
+            samples[k].append(time.perf_counter() - t0)
+        spent = sum(sum(v) for v in samples.values())
+        n = 1
         while alive and n < MAX_REPS:
             for k, fn in alive.items():
                 t0 = time.perf_counter()
@@ -145,7 +153,7 @@ def time_candidates(
                 _drop_losers(alive, samples, beat)
             if n >= reps and all(sum(samples[k]) >= MIN_SECONDS for k in alive):
                 break
-            if n >= MIN_SAMPLES and spent >= BUDGET:
+            if n >= MIN_SAMPLES and spent >= budget:
                 break
     return {k: min(v) for k, v in samples.items() if v}
 
@@ -254,7 +262,11 @@ def choose(
         for name, built in candidates.items():
             run = run_plan(sub, part, {0: built} if built is not None else {})
             beat = min(seconds.values(), default=None)
-            seconds.update(time_candidates({name: functools.partial(run, inputs)}, beat=beat))
+            # the group's budget is shared by its candidates
+            share = BUDGET / len(candidates)
+            seconds.update(
+                time_candidates({name: functools.partial(run, inputs)}, beat=beat, budget=share)
+            )
             del run
     del inputs
     if not seconds:
