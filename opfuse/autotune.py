@@ -99,7 +99,7 @@ class Noise:
         n = m.numel or 1
         if self.base.numel() < n:
             g = torch.Generator().manual_seed(0)
-            self.base = torch.rand(max(n, 2 * self.base.numel()), generator=g) * 4 - 2
+            self.base = torch.rand(n, generator=g) * 4 - 2  # grows to the largest input
         base = self.base[:n]
         if m.dtype.is_floating_point:
             vals = base.to(m.dtype)
@@ -120,10 +120,10 @@ def time_candidates(
     budget: float = BUDGET,
 ) -> dict[str, float]:
     """Seconds per candidate: its fastest sample, interleaved (drift hits all alike); a
-    candidate that raises is dropped. The fastest, not the median:
-    the noise here only adds time, and most of it is not the candidate's (page faults
-    when glibc hands a freed block back to the OS and the next allocation of any candidate
-    faults it in again, ~2 us a page: 8 ms on a 25 MB output). Sampling stops at `reps`
+    candidate that raises is dropped. The fastest, not the median: the noise here only adds
+    time, and most of it is not the candidate's (page faults when glibc hands a freed block
+    back to the OS and the next allocation of any candidate faults it in again, ~2 us a
+    page: 8 ms on a 25 MB output). Sampling stops at `reps`
     samples (and MIN_SECONDS each), or at MIN_SAMPLES once `budget` seconds are spent; a
     candidate whose fastest sample is SLOWER times the leader's (or `beat`, the best time
     of candidates timed earlier) stops being sampled."""
