@@ -37,6 +37,9 @@ BUDGET = 0.3
 MIN_SAMPLES = 2
 SLOWER = 1.12
 SEQUENTIAL_BYTES = 32 << 20  # candidates are timed one after the other above this
+# Part of every decision's key: a change to how candidates are timed or run (the estimator,
+# an in-place variant) makes decisions remembered under the old rules stale.
+TUNER_VERSION = "2"
 
 
 @dataclass(frozen=True)
@@ -174,7 +177,8 @@ def _drop_losers(
 
 def decision_key(parts: Sequence[str]) -> str:
     h = hashlib.sha256()
-    for p in (*parts, torch.__version__, platform.machine(), _cpu(), str(torch.get_num_threads())):
+    machine = (torch.__version__, platform.machine(), _cpu(), str(torch.get_num_threads()))
+    for p in (*parts, *machine, TUNER_VERSION):
         h.update(p.encode())
         h.update(b"\0")
     return h.hexdigest()[:40]

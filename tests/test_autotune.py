@@ -99,3 +99,9 @@ def test_first_call_costs_do_not_decide(clock: Clock) -> None:
 
     got = autotune.time_candidates({"a": a, "b": clock.candidate("b", 0.012)})
     assert got == pytest.approx({"a": 0.010, "b": 0.012})
+
+
+def test_decisions_of_an_older_tuner_are_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
+    key = autotune.decision_key(["group", "shapes"])
+    monkeypatch.setattr(autotune, "TUNER_VERSION", autotune.TUNER_VERSION + "-next")
+    assert autotune.decision_key(["group", "shapes"]) != key
