@@ -223,10 +223,18 @@ class Runtime:
         return [env[s.index] if type(s) is Slot else s for s in plan.outputs]
 
 
-# References to a recycled output while nobody else holds it: the cache entry, the local
-# name and getrefcount's argument.
-_FREE_REFS = 3
 _storage_use_count = torch._C._storage_Use_Count
+
+
+def _unshared(t: Any, holders: int) -> bool:
+    """Is `t` a plain tensor held by no more than `holders` references (the caller's) and
+    sharing its storage with no other tensor? A caller's tensor or a live view of it would
+    show in the counts."""
+    return (
+        type(t) is torch.Tensor
+        and sys.getrefcount(t) <= holders + 2  # + this function's argument, getrefcount's
+        and _storage_use_count(t.untyped_storage()._cdata) <= 2
+    )
 
 
 def _fresh(
@@ -236,11 +244,7 @@ def _fresh(
     has dropped it and every view of it (a caching allocator: large fresh allocations cost
     page faults on every call)."""
     t = cache.get(key)
-    if (
-        t is not None
-        and sys.getrefcount(t) <= _FREE_REFS
-        and _storage_use_count(t.untyped_storage()._cdata) <= 2
-    ):
+    if t is not None and _unshared(t, 2):  # the cache entry, t
         return t
     t = torch.empty_strided(m.shape, m.stride, dtype=m.dtype)
     cache[key] = t
@@ -254,9 +258,7 @@ def _take(env: list[Any], a: Out, src: KernelArg) -> torch.Tensor | None:
         env[s] = None
     t = env[src.slot]
     if (
-        type(t) is torch.Tensor
-        and sys.getrefcount(t) <= 3  # env, t, getrefcount's argument
-        and _storage_use_count(t.untyped_storage()._cdata) <= 2
+        _unshared(t, 2)  # env, t
         and t.dtype == a.meta.dtype
         and t.numel() == a.meta.numel
     ):
@@ -275,9 +277,7 @@ def _donate(env: list[Any], step: TorchStep, args: tuple[Any, ...]) -> bool:
     t = args[step.donate]
     m = step.donor
     if (
-        type(t) is torch.Tensor
-        and sys.getrefcount(t) <= 4  # env, args, t, getrefcount's argument
-        and _storage_use_count(t.untyped_storage()._cdata) <= 2
+        _unshared(t, 3)  # env, args, t
         and t.dtype == m.dtype
         and tuple(t.shape) == m.shape
         and tuple(t.stride()) == m.stride

@@ -374,7 +374,13 @@ def test_conv_add_writes_over_a_dead_residual_only(layout: str, residual: str) -
     tail = [g for g in anchored(fast.report, "conv_epilogue") if "aten.add.Tensor" in g.ops]
     assert len(tail) == 1 and tail[0].implementation.startswith("onednn"), str(fast.report)
     # oneDNN accumulates into the residual itself when nothing else can see it
-    assert len(_donating(fast)) == (1 if residual == "dead" else 0)
+    donating = _donating(fast)
+    assert len(donating) == (1 if residual == "dead" else 0)
+    ran: list[int] = []
+    for step in donating:  # and the runtime agrees that nothing else holds it
+        real = step.inplace
+        step.inplace = lambda *a, _real=real: ran.append(1) or _real(*a)
     for _ in range(3):  # the written-over tensor is the previous call's: no stale values
         assert_matches_eager(m, fast(x, r), (x, r))
+    assert len(ran) == 3 * len(donating)
     assert torch.equal(r, r_before)  # a caller's tensor is never written over
