@@ -262,7 +262,7 @@ def _take(env: list[Any], a: Out, src: KernelArg) -> torch.Tensor | None:
         and t.dtype == a.meta.dtype
         and t.numel() == a.meta.numel
     ):
-        if tuple(t.shape) == a.meta.shape and tuple(t.stride()) == a.meta.stride:
+        if _has_layout(t, a.meta):
             return t
         if t.is_contiguous() and a.meta.is_contiguous():
             return t.view(a.meta.shape)
@@ -278,15 +278,18 @@ def _donate(env: list[Any], step: TorchStep, args: tuple[Any, ...]) -> bool:
     m = step.donor
     if (
         _unshared(t, 3)  # env, args, t
-        and t.dtype == m.dtype
-        and tuple(t.shape) == m.shape
-        and tuple(t.stride()) == m.stride
+        and _has_layout(t, m)
     ):
         slot = step.args[step.donate]
         assert type(slot) is Slot
         env[slot.index] = None
         return True
     return False
+
+
+def _has_layout(t: torch.Tensor, m: TensorMeta) -> bool:
+    """Does t have exactly m's dtype, shape and strides?"""
+    return t.dtype == m.dtype and tuple(t.shape) == m.shape and tuple(t.stride()) == m.stride
 
 
 def _typed(block: torch.Tensor, m: TensorMeta) -> torch.Tensor:
@@ -305,7 +308,7 @@ def _resolve(v: Any, env: list[Any]) -> Any:
 def _conform(t: torch.Tensor, m: TensorMeta) -> torch.Tensor:
     """Kernels are generated for exact strides; a tensor torch produced with other strides
     (rare: meta functions predict them) is copied into the expected layout."""
-    if tuple(t.stride()) == m.stride and t.dtype == m.dtype and tuple(t.shape) == m.shape:
+    if _has_layout(t, m):
         return t
     out = torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=t.device)
     out.copy_(t)

@@ -413,17 +413,8 @@ def split(k: Kernel, lines: list[str]) -> None:
     for a in accs:  # partials live outside the parallel region: shared by the threads
         for part, t in _results(a):
             lines.append(f"  {t} {a.name}_P{_suffix(a, part)}[nthreads > 0 ? nthreads : 1];")
-    lines.append("  #pragma omp parallel num_threads(nthreads)")
-    lines.append("  {")
-    lines.append("    const int nt = omp_get_num_threads(), tid = omp_get_thread_num();")
-    first = k.inner[0]
     align = max(lanes_for(p.accumulates) for p in k.passes) if len(k.inner) == 1 else 1
-    ext = first.extent
-    lines.append(
-        f"    const int64_t chunk = (({ext} + nt - 1) / nt + {align - 1}) / {align} * {align};"
-    )
-    lines.append(f"    const int64_t lo = tid * chunk < {ext} ? tid * chunk : {ext};")
-    lines.append(f"    const int64_t hi = lo + chunk < {ext} ? lo + chunk : {ext};")
+    _thread_slices(lines, k.inner[0].extent, align)
     indent = "    "
     for v in k.outer:
         lines.append(for_loop(v, indent))
@@ -541,20 +532,29 @@ def columns(k: Kernel, lines: list[str], split: bool = False) -> None:
         lines.append("  }")
 
 
-def _open_split_region(k: Kernel, lines: list[str], ext: int, align: int) -> None:
-    """Partial arrays (shared), then the parallel region with this thread's [lo, hi) of the
-    first reduced variable."""
+def _open_split_region(k: Kernel, lines: list[str], ext: int, width: int) -> None:
+    """Partial arrays (shared, `width` lanes per thread), then the parallel region with
+    this thread's [lo, hi) of the first reduced variable."""
     for p in k.passes:
         for a in p.accumulates:
             for suffix, t, _ in _lane_fields(a):
-                lines.append(f"  {t} {a.name}_P{suffix}[(nthreads > 0 ? nthreads : 1) * {align}];")
+                lines.append(f"  {t} {a.name}_P{suffix}[(nthreads > 0 ? nthreads : 1) * {width}];")
             if a.combine == "welford":
                 t = VALUE[a.acc_dtype]
                 lines.append(f"  {t} {a.name}_Pcnt[nthreads > 0 ? nthreads : 1];")
+    _thread_slices(lines, ext, 1)
+
+
+def _thread_slices(lines: list[str], ext: int, align: int) -> None:
+    """Open the parallel region of the split schedules: thread `tid` of `nt` takes [lo, hi)
+    of `ext`, slices a multiple of `align` long (whole vector lane groups)."""
     lines.append("  #pragma omp parallel num_threads(nthreads)")
     lines.append("  {")
     lines.append("    const int nt = omp_get_num_threads(), tid = omp_get_thread_num();")
-    lines.append(f"    const int64_t chunk = ({ext} + nt - 1) / nt;")
+    chunk = f"({ext} + nt - 1) / nt"
+    if align > 1:
+        chunk = f"({chunk} + {align - 1}) / {align} * {align}"
+    lines.append(f"    const int64_t chunk = {chunk};")
     lines.append(f"    const int64_t lo = tid * chunk < {ext} ? tid * chunk : {ext};")
     lines.append(f"    const int64_t hi = lo + chunk < {ext} ? lo + chunk : {ext};")
 
