@@ -36,10 +36,14 @@ MAX_REPS = 200
 BUDGET = 0.3
 MIN_SAMPLES = 2
 SLOWER = 1.12
+# A loser is dropped only after this many samples: a library call that allocates its own
+# output faults fresh heap pages in on its first calls (oneDNN bfloat16 linear
+# 1024x768x3072: ~1600 faults on each of calls 1-3, 11.7 / 6.3 / 5.9 ms, then 3.4 ms).
+DROP_AFTER = 3
 SEQUENTIAL_BYTES = 32 << 20  # candidates are timed one after the other above this
 # Part of every decision's key: a change to how candidates are timed or run (the estimator,
 # an in-place variant) makes decisions remembered under the old rules stale.
-TUNER_VERSION = "2"
+TUNER_VERSION = "3"
 
 
 @dataclass(frozen=True)
@@ -128,8 +132,8 @@ def time_candidates(
     back to the OS and the next allocation of any candidate faults it in again, ~2 us a
     page: 8 ms on a 25 MB output). Sampling stops at `reps`
     samples (and MIN_SECONDS each), or at MIN_SAMPLES once `budget` seconds are spent; a
-    candidate whose fastest sample is SLOWER times the leader's (or `beat`, the best time
-    of candidates timed earlier) stops being sampled."""
+    candidate whose fastest sample (of DROP_AFTER or more) is SLOWER times the leader's (or
+    `beat`, the best time of candidates timed earlier) stops being sampled."""
     alive = dict(candidates)
     samples: dict[str, list[float]] = {k: [] for k in alive}
     with torch.no_grad():
@@ -152,7 +156,7 @@ def time_candidates(
                 samples[k].append(time.perf_counter() - t0)
                 spent += samples[k][-1]
             n += 1
-            if n >= MIN_SAMPLES:
+            if n >= DROP_AFTER:
                 _drop_losers(alive, samples, beat)
             if n >= reps and all(sum(samples[k]) >= MIN_SECONDS for k in alive):
                 break

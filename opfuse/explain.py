@@ -145,7 +145,7 @@ def _implementation(g: Group, b: Built | None) -> tuple[str, bool]:
     if isinstance(b, BuiltKernel):
         name = f"{b.kernel.name}_{g.id}"
         if g.pattern in ("gemm_epilogue", "conv_epilogue"):
-            how = "mkl_unfused" if b.anchor_call is not None else "unfused"
+            how = f"{b.anchor_call.library}_unfused" if b.anchor_call is not None else "unfused"
             return f"{b.kernel.name}_{how}_{g.id}", False
         return name, True
     return ", ".join(dict.fromkeys(n.op for n in g.nodes)), False

@@ -285,6 +285,37 @@ def test_epilogue_after_packed_mkl_gemm() -> None:
     assert r.kernels_after == 2  # the packed GEMM, then one kernel for the whole epilogue
 
 
+def _amx_or_avx512_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+@pytest.mark.skipif(not _amx_or_avx512_bf16(), reason="no native bfloat16 GEMM on this CPU")
+@pytest.mark.parametrize("impl", ["onednn", "onednn-unfused"])
+@pytest.mark.parametrize("epilogue", [True, False])
+def test_bfloat16_linear_runs_onednn_with_packed_weights(impl: str, epilogue: bool) -> None:
+    # MKL's packed GEMM is float32 only: bfloat16 linears get oneDNN's packed one, alone
+    # (a library group) or followed by the unfused epilogue kernel
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 80).to(torch.bfloat16)
+    fn = (lambda x: F.gelu(lin(x))) if epilogue else (lambda x: lin(x))
+    r = run(fn, (torch.randn(4, 33, 96, dtype=torch.bfloat16),), impl)
+    (g,) = anchored(r, "gemm_epilogue" if epilogue else "library")
+    if not epilogue:
+        assert g.kernel == "onednn(addmm)"
+    elif impl == "onednn":
+        assert g.kernel == "onednn(addmm, gelu)"
+    else:
+        assert "_onednn_unfused_" in g.kernel and r.kernels_after == 2
+    measured = opfuse.explain(Fn(fn).eval(), torch.randn(4, 33, 96, dtype=torch.bfloat16))
+    (g,) = anchored(measured, "gemm_epilogue" if epilogue else "library")
+    assert "onednn" in g.implementation and ("onednn-unfused" in g.implementation) == epilogue
+
+
 def test_group_whose_every_candidate_is_refused_runs_with_torch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

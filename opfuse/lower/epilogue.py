@@ -256,11 +256,13 @@ COMMUTATIVE = frozenset({"aten.add.Tensor", "aten.mul.Tensor"})
 
 @dataclass(frozen=True)
 class PackedThenKernel:
-    """The anchor as MKL's packed GEMM (weight packed once), then the unfused epilogue
-    kernel: the unfused implementation without torch's per-call weight handling."""
+    """The anchor as a library GEMM with its weight packed once (MKL's for float32,
+    oneDNN's for bfloat16/float16), then the unfused epilogue kernel: the unfused
+    implementation without torch's per-call weight handling."""
 
     anchor: Node
     kernel: Kernel
+    library: str = "mkl"  # "mkl" | "onednn"
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,10 @@ def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candida
         if g.anchor.op in ("aten.addmm.default", "aten.mm.default") and _constant_weights(
             graph, g.anchor
         ):
-            cands["mkl-unfused"] = PackedThenKernel(g.anchor, unfused)
+            if g.anchor.tensor.dtype == torch.float32:
+                cands["mkl-unfused"] = PackedThenKernel(g.anchor, unfused)
+            else:  # MKL's packed GEMM is float32 only
+                cands["onednn-unfused"] = PackedThenKernel(g.anchor, unfused, "onednn")
         if g.pattern == "gemm_epilogue":
             try:
                 cands["blocked"] = lower_blocked(graph, g.anchor, g.nodes, threads)
@@ -85,6 +88,10 @@ def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candida
         cands = {"torch": None}
         if a.op != "aten.bmm.default" and _constant_weights(graph, a):
             cands["mkl"] = OneDnnPlan(a, a)  # packed MKL GEMM, as inductor's freezing runs it
+            if a.tensor.dtype != torch.float32:
+                # MKL's packed GEMM is float32 only; oneDNN's packed one runs bfloat16 on
+                # AMX (BERT-base linears 15-35% faster than torch's addmm)
+                cands["onednn"] = OneDnnPlan(a, a)
         try:
             cands["blocked"] = lower_blocked(graph, a, [a], threads)
         except NotFusable as e:
