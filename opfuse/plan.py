@@ -73,6 +73,13 @@ def _aliases_input(n: Node) -> bool:
     return any(r.alias_info is not None for r in schema.returns)
 
 
+# Torch ops whose result may go into the pool through their out= overload: the GEMMs that
+# run unfused or as library groups (an MLP's 8x512x3072 hidden layer is 48 MiB).
+POOLED_OUT = frozenset(
+    {"aten.addmm.default", "aten.mm.default", "aten.bmm.default", "aten.baddbmm.default"}
+)
+
+
 class _Planner:
     def __init__(self, graph: Graph) -> None:
         self.g = graph
@@ -98,6 +105,7 @@ class _Planner:
                 map_args(n.args, lambda a: Slot(s[a])),
                 {k: map_args(v, lambda a: Slot(s[a])) for k, v in n.kwargs},
                 s[n],
+                out_fn=n.target.overloadpacket.out if fn is None and n.op in POOLED_OUT else None,
             )
         )
         for i in n.inputs():
@@ -224,7 +232,8 @@ def build_plan(graph: Graph, part: Partition, built: Mapping[int, Built]) -> Pla
 
 
 def _plan_memory(graph: Graph, p: _Planner) -> tuple[list[int], list[tuple[int, ...]]]:
-    """Assign pool blocks to kernel intermediates and scratch, greedily in step order. An
+    """Assign pool blocks to kernel intermediates, scratch and the results of the GEMMs torch
+    runs (written through out=), greedily in step order. An
     intermediate lives until the last read of it or of any alias of it; one that escapes
     (is, or has a view that is, a graph output) gets fresh memory per call. An output may
     take its input's block when the kernel allows it (in place) and this is that input's
@@ -276,6 +285,20 @@ def _plan_memory(graph: Graph, p: _Planner) -> tuple[list[int], list[tuple[int, 
             and not _donatable(p, step, si, alias_of, aliases, escapes, last_read)
         ):
             step.donate = None
+        if isinstance(step, TorchStep) and step.out_fn is not None:
+            node = graph.nodes[step.output]
+            m = node.meta
+            if (
+                node not in escapes
+                and node in last_read
+                and isinstance(m, TensorMeta)
+                and m.is_contiguous()
+                and m.offset == 0
+            ):
+                step.out_block = best_fit(si, last_read[node], _storage_bytes(m))
+                step.out_meta = m
+                block_of[node] = step.out_block
+                p.torch_made.discard(node)  # pool memory: never stolen or donated
         if not isinstance(step, KernelStep):
             continue
         partner = dict(step.inplace)
@@ -304,8 +327,14 @@ def _plan_memory(graph: Graph, p: _Planner) -> tuple[list[int], list[tuple[int, 
             size = _storage_bytes(a.meta)
             if isinstance(src, In):
                 src_node = graph.nodes[src.slot]
-                blk = block_of.get(src_node)
-                if blk is not None and last_read.get(src_node) == si and free_at[blk] == si:
+                src_base = alias_of.get(src_node, src_node)
+                blk = block_of.get(src_base)
+                if (
+                    blk is not None
+                    and src_node.tensor.offset == src_base.tensor.offset  # a view from 0
+                    and last_read.get(src_base) == si
+                    and free_at[blk] == si
+                ):
                     sizes[blk] = max(sizes[blk], size)
                     free_at[blk] = end
                     a.block = blk

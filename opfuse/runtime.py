@@ -87,6 +87,11 @@ class TorchStep:
     inplace: Callable[..., Any] | None = None
     donate: int | None = None
     donor: TensorMeta | None = None  # the layout the donated tensor must have
+    # A GEMM whose result the plan pools: `out_fn` (the op's out= overload) writes it into
+    # block `out_block`, laid out as `out_meta`, instead of torch allocating it.
+    out_fn: Callable[..., Any] | None = None
+    out_block: int | None = None
+    out_meta: TensorMeta | None = None
 
 
 @dataclass(frozen=True)
@@ -150,6 +155,9 @@ class Runtime:
         f.dynamic = []  # per step: [(arg position, arg)] filled on every call
         for si, step in enumerate(plan.steps):
             if not isinstance(step, KernelStep):
+                if step.out_block is not None:
+                    assert step.out_meta is not None
+                    f.pooled[(si, -1)] = _typed(f.blocks[step.out_block], step.out_meta)
                 f.arrays.append(None)
                 f.dynamic.append(None)
                 continue
@@ -214,6 +222,9 @@ class Runtime:
                 if step.donate is not None and _donate(env, step, args):
                     assert step.inplace is not None
                     env[step.output] = step.inplace(*args, **kwargs)
+                elif step.out_block is not None:
+                    assert step.out_fn is not None
+                    env[step.output] = step.out_fn(*args, **kwargs, out=f.pooled[(si, -1)])
                 else:
                     env[step.output] = step.fn(*args, **kwargs)
                 args = kwargs = None  # type: ignore[assignment]

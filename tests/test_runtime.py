@@ -190,6 +190,37 @@ def test_intermediates_reuse_memory_across_calls() -> None:
     assert_matches_eager(m, out2, (x,))
 
 
+@pytest.mark.parametrize("returns_hidden", [False, True])
+def test_unfused_gemm_writes_into_the_pool_through_out(returns_hidden: bool) -> None:
+    # An MLP whose GEMMs torch runs: the hidden layer goes into a pooled block through
+    # addmm's out= overload and the gelu kernel writes over it (through the 3-D view);
+    # a GEMM result the caller gets back is never pooled.
+    torch.manual_seed(0)
+    fc1, fc2 = torch.nn.Linear(32, 96), torch.nn.Linear(96, 32)
+
+    def f(x):  # type: ignore[no-untyped-def]
+        h = fc1(x)
+        y = fc2(torch.nn.functional.gelu(h)) + x
+        return (y, h) if returns_hidden else y
+
+    m = Fn(f).eval()
+    x = torch.randn(4, 25, 32)
+    fast = opfuse.compile(m, (x,), options=opfuse.Options(implementation="unfused"))
+    plan = fast._first.compiled.run.plan
+    pooled = {s.name: s.out_block for s in plan.steps if getattr(s, "out_block", None) is not None}
+    gelu = next(s for s in plan.steps if s.name.startswith("fused_gelu"))
+    assert "addmm_1" in pooled  # fc2's result, read by the residual add's kernel
+    if returns_hidden:
+        assert "addmm" not in pooled, pooled
+    else:
+        (out,) = [a for a in gelu.args if type(a).__name__ == "Out"]
+        assert out.block == pooled["addmm"]  # in place, in the pool
+    for _ in range(2):  # the pooled block is reused by the second call
+        with torch.no_grad():
+            got = fast(x)
+        assert_matches_eager(m, got, (x,))
+
+
 def test_dropped_outputs_are_recycled_held_ones_never() -> None:
     m, args = model(), inputs()
     fast = opfuse.compile(m, args)
