@@ -1,7 +1,8 @@
 """The compiler on one screen.
 
 graph  = capture(model)                 capture.py       torch.export / AOTAutograd
-graph  = rewrite(graph)                 rewrite/         fold BatchNorm, constants; layout
+graph  = rewrite(graph)                 rewrite/         fold BatchNorm, constants; attention;
+                                                         layout
 kinds  = classify(graph)                fusion/classify  ordered op kinds
 groups = partition(graph, kinds)        fusion/          the decision, with why-nots
 kernels = lower(groups)                 lower/           loop nest + scalar expressions
@@ -35,6 +36,7 @@ from .lower.groups import lower_groups
 from .plan import Built, BuiltCall, build_plan
 from .progress import Progress
 from .report import FoldReport, FusionReport, RejectReport
+from .rewrite.attention import fuse_attention
 from .rewrite.batchnorm import Fold, Refusal, fold_batchnorm, lower_batchnorm
 from .rewrite.cleanup import fold_constants
 from .rewrite.layout import channels_last
@@ -50,6 +52,7 @@ class Options:
     fuel: int | None = field(default_factory=lambda: _env_int("OPFUSE_FUEL"))
     debug_dir: str | None = field(default_factory=lambda: os.environ.get("OPFUSE_DEBUG_DIR"))
     fold_batchnorm: bool = True
+    fuse_attention: bool = True  # matmul-softmax-matmul as one fused attention call
     freeze: bool = True  # parameters are constants (eval-mode opfuse.compile)
     # "channels-last": frozen conv graphs run NHWC between convolutions; "keep": as captured.
     layout: str = field(default_factory=lambda: os.environ.get("OPFUSE_LAYOUT") or "channels-last")
@@ -93,7 +96,8 @@ def compile_graph(
     """Everything after capture: rewrite, fuse, lower, render, build, tune, plan."""
     opts = options or Options()
     t0 = time.perf_counter()
-    graph, folds, refusals, layout = rewrite(graph, opts)
+    rw = rewrite(graph, opts)
+    graph = rw.graph
     kinds = classify(graph)
     part = partition(graph, kinds, Fuel(opts.fuel))
     check_partition(graph, part)
@@ -104,11 +108,12 @@ def compile_graph(
     built, decisions = tune(graph, part, module, opts.implementation)
     plan = build_plan(graph, part, built)
     report = make_report(graph, part, lowered, built, decisions, eager_kernels, module.source)
-    report.folds = [FoldReport(f.conv, f.batchnorm) for f in folds]
-    report.rejected = [RejectReport(r.producer, r.batchnorm, r.reason) for r in refusals] + (
+    report.folds = [FoldReport(f.conv, f.batchnorm) for f in rw.folds]
+    report.rejected = [RejectReport(r.producer, r.batchnorm, r.reason) for r in rw.refusals] + (
         report.rejected
     )
-    report.layout = layout
+    report.layout = rw.layout
+    report.attention = rw.attention
     report.compile_seconds = time.perf_counter() - t0
     report.cached = module.cached
     if module.problem:
@@ -129,7 +134,16 @@ def release_freed_memory() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def rewrite(graph: Graph, opts: Options) -> tuple[Graph, list[Fold], list[Refusal], str]:
+@dataclass
+class Rewritten:
+    graph: Graph
+    folds: list[Fold]
+    refusals: list[Refusal]  # BatchNorms not folded, and why
+    layout: str  # the activation layout chosen for convolutions, and why
+    attention: list[str]  # attentions fused into one call, or kept explicit and why
+
+
+def rewrite(graph: Graph, opts: Options) -> Rewritten:
     folds: list[Fold] = []
     refusals: list[Refusal] = []
     if opts.fold_batchnorm:
@@ -137,11 +151,14 @@ def rewrite(graph: Graph, opts: Options) -> tuple[Graph, list[Fold], list[Refusa
     graph = fold_constants(graph)
     graph = lower_batchnorm(graph)
     graph = fold_constants(graph)
+    attention: list[str] = []
+    if opts.fuse_attention:
+        graph, attention = fuse_attention(graph)
     layout = ""
     if opts.layout == "channels-last":
         relaid = channels_last(graph)
         graph, layout = relaid.graph, relaid.note
-    return graph, folds, refusals, layout
+    return Rewritten(graph, folds, refusals, layout, attention)
 
 
 def tune(

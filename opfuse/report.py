@@ -63,6 +63,7 @@ class FusionReport:
     edges: list[EdgeReport] = field(default_factory=list)
     fusions: list[list[str]] = field(default_factory=list)  # [producer, consumer], in order
     layout: str = ""  # the activation layout chosen for convolutions, and why
+    attention: list[str] = field(default_factory=list)  # attentions run as one fused call
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -97,6 +98,7 @@ class FusionReport:
             edges,
             self.fusions + other.fusions,
             "; ".join(x for x in (self.layout, other.layout) if x),
+            self.attention + other.attention,
         )
 
     def patterns(self) -> dict[str, int]:
@@ -140,6 +142,8 @@ def format_table(r: FusionReport, width: int = 100) -> str:
         lines.append(f"fold: {f.batchnorm} -> {f.conv}")
     for rej in r.rejected:
         lines.append(f"not fused: {rej.producer} -> {rej.consumer}: {rej.reason}")
+    for a in r.attention:
+        lines.append(f"attention: {a}")
     if r.layout:
         lines.append(f"layout: {r.layout}")
     return "\n".join(lines)

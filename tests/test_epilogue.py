@@ -305,8 +305,8 @@ def test_bfloat16_linear_runs_onednn_with_packed_weights(impl: str, epilogue: bo
     fn = (lambda x: F.gelu(lin(x))) if epilogue else (lambda x: lin(x))
     r = run(fn, (torch.randn(4, 33, 96, dtype=torch.bfloat16),), impl)
     (g,) = anchored(r, "gemm_epilogue" if epilogue else "library")
-    if not epilogue:
-        assert g.kernel == "onednn(addmm)"
+    if not epilogue:  # (a library group has no unfused variant: then the tuner picks)
+        assert g.kernel == "onednn(addmm)" or impl == "onednn-unfused"
     elif impl == "onednn":
         assert g.kernel == "onednn(addmm, gelu)"
     else:

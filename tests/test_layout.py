@@ -42,7 +42,8 @@ def test_conv_graph_runs_channels_last_and_returns_eager_layout() -> None:
     for a, b in zip(got, ref):
         assert a.stride() == b.stride()  # the feature map comes back NCHW
     graph = capture_module(m, (x,), {}).graph
-    new, _, _, note = rewrite(graph, Options())
+    rw = rewrite(graph, Options())
+    new, note = rw.graph, rw.layout
     convs = [n for n in new.nodes if n.op == "aten.convolution.default"]
     assert convs and all(is_channels_last(c.tensor) for c in convs)
     assert "channels-last" in note

@@ -6,7 +6,15 @@ from dataclasses import dataclass, field
 
 from ..ir.graph import Graph, Node
 
-PATTERNS = ("elementwise", "reduction", "gemm_epilogue", "conv_epilogue", "library", "fallback")
+PATTERNS = (
+    "elementwise",
+    "reduction",
+    "gemm_epilogue",
+    "conv_epilogue",
+    "library",
+    "attention",
+    "fallback",
+)
 
 
 @dataclass

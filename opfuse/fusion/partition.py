@@ -29,7 +29,7 @@ import math
 from collections.abc import Iterable
 
 from ..ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta, bind
-from ..ir.ops import Kind, info, is_generator
+from ..ir.ops import ATTENTION, Kind, info, is_generator
 from ..lower.lowering import NotFusable, lower_group, reduce_dims
 from .classify import Classified
 from .groups import Group, Partition, Rejection
@@ -231,9 +231,11 @@ class _Partitioner:
                     for c in consumers
                     if c not in fusable or self.group_of.get(c) != self.group_of.get(consumers[0])
                 )
-                self._reject(
-                    a, other, f"{what} output has {len(consumers)} users in different kernels"
-                )
+                if len(consumers) == 1:
+                    why = f"{what} output feeds {other.op.split('.')[1]} (not an elementwise op)"
+                else:
+                    why = f"{what} output has {len(consumers)} users in different kernels"
+                self._reject(a, other, why)
                 continue
             gid = self.group_of[consumers[0]]
             if any(self.kinds.get(m) == Kind.REDUCTION for m in self.members[gid]):
@@ -324,6 +326,8 @@ class _Partitioner:
                 anchor = next(n for n in nodes if self.kinds[n] == Kind.ANCHOR)
                 conv = "convolution" in anchor.op
                 pattern, reason = ("conv_epilogue" if conv else "gemm_epilogue"), ""
+            elif nodes[0].op == ATTENTION:  # the fused attention call (rewrite/attention)
+                pattern, anchor, reason = "attention", nodes[0], ""
             else:
                 pattern, anchor = "fallback", nodes[0]
                 reason = self.why_opaque.get(nodes[0], "no fused implementation")

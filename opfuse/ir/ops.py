@@ -529,6 +529,10 @@ OPS: dict[str, OpInfo] = {
 VIEW_OPS = frozenset(k for k, v in OPS.items() if v.kind == Kind.INJECTIVE)
 
 
+# The fused attention call rewrite/attention.py makes: a library call of its own pattern.
+ATTENTION = "opfuse.attention.default"
+
+
 def info(op: str) -> OpInfo:
     return OPS.get(op, OPAQUE)
 

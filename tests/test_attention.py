@@ -1,0 +1,157 @@
+"""Attention written as matmul -> scale -> mask -> softmax -> matmul runs as one fused call
+(rewrite/attention.py) when the scores are large; eager's results, NaN rows included."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+import opfuse
+from opfuse.bench.models import GPT2Block
+from opfuse.rewrite.attention import MIN_SCORES
+from tests.conftest import Fn, assert_matches_eager
+
+S = 256  # 256x256 scores per head: at MIN_SCORES, so the rewrite applies
+
+
+def _qkv(b: int = 2, h: int = 2, s: int = S, d: int = 16, dtype: torch.dtype = torch.float32):  # type: ignore[no-untyped-def]
+    g = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(b, h, s, d, generator=g).to(dtype) for _ in range(3))
+
+
+def _attention(mask_kind: str, scale_kind: str = "mul") -> Any:
+    causal = torch.ones(S, S, dtype=torch.bool).triu(1)
+
+    def scaled(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        s = q @ k.transpose(-1, -2)
+        return s * 0.25 if scale_kind == "mul" else s / math.sqrt(q.shape[-1])
+
+    def f(q, k, v, m=None):  # type: ignore[no-untyped-def]
+        s = scaled(q, k)
+        if mask_kind == "causal":
+            s = s.masked_fill(causal, float("-inf"))
+        elif mask_kind == "causal_finfo_min":  # as Hugging Face writes it
+            s = torch.where(causal, torch.finfo(s.dtype).min, s)
+        elif mask_kind == "additive":
+            s = s + m
+        elif mask_kind == "bool_input":
+            s = s.masked_fill(m, float("-inf"))
+        return s.softmax(-1) @ v
+
+    return f
+
+
+def _compile(fn: Any, args: tuple[Any, ...]) -> tuple[nn.Module, Any]:
+    m = Fn(fn).eval()
+    return m, opfuse.compile(m, args)
+
+
+@pytest.mark.parametrize(
+    "mask_kind", ["none", "causal", "causal_finfo_min", "additive", "bool_input"]
+)
+@pytest.mark.parametrize("scale_kind", ["mul", "div"])
+def test_attention_runs_as_one_fused_call(mask_kind: str, scale_kind: str) -> None:
+    q, k, v = _qkv()
+    args: tuple[Any, ...] = (q, k, v)
+    if mask_kind == "additive":  # BERT's padding mask, broadcast over heads and queries
+        args += ((torch.rand(2, 1, 1, S) < 0.2).float() * -10000.0,)
+    elif mask_kind == "bool_input":
+        args += (torch.rand(2, 1, S, S) < 0.3,)
+    m, fast = _compile(_attention(mask_kind, scale_kind), args)
+    assert_matches_eager(m, fast(*args), args)
+    r = fast.report
+    assert r.patterns().get("attention") == 1, str(r)
+    assert "softmax" not in str([g.ops for g in r.groups])
+    assert not any("amax" in op for g in r.groups for op in g.ops)  # no explicit softmax left
+    assert len(r.attention) == 1 and "one fused attention call" in r.attention[0]
+
+
+def test_fully_masked_rows_are_nan_as_in_eager() -> None:
+    q, k, v = _qkv()
+    mask = torch.zeros(2, 1, S, S)
+    mask[0, 0, 3, :] = float("-inf")  # query 3 of batch 0 sees nothing: 0/0 in eager
+    mask[1, 0, :, 5] = float("-inf")  # one key masked everywhere: ordinary rows
+    m, fast = _compile(_attention("additive"), (q, k, v, mask))
+    assert fast.report.patterns().get("attention") == 1
+    got, ref = fast(q, k, v, mask), m(q, k, v, mask)
+    assert ref[0, :, 3].isnan().all() and got[0, :, 3].isnan().all()
+    torch.testing.assert_close(got, ref, equal_nan=True)
+
+
+def test_nan_inputs_propagate_as_in_eager() -> None:
+    q, k, v = _qkv()
+    q[1, 0, 7, 2] = float("nan")
+    v[0, 1, 9, 0] = float("inf")
+    m, fast = _compile(_attention("causal"), (q, k, v))
+    got, ref = fast(q, k, v), m(q, k, v)
+    assert torch.equal(got.isnan(), ref.isnan())
+    torch.testing.assert_close(got, ref, equal_nan=True)
+
+
+def test_finite_fill_with_a_fully_masked_constant_row_stays_explicit() -> None:
+    # where(mask, finfo.min, s) on a row that masks everything is a uniform row in eager
+    # (all scores equal), not NaN: the fused call cannot give it, so nothing is rewritten
+    mask = torch.zeros(S, S, dtype=torch.bool)
+    mask[4, :] = True
+    q, k, v = _qkv()
+    m, fast = _compile(
+        lambda q, k, v: (
+            torch.where(mask, -3.0e38, (q @ k.transpose(-1, -2)) * 0.25).softmax(-1) @ v
+        ),
+        (q, k, v),
+    )
+    assert "attention" not in fast.report.patterns()
+    assert_matches_eager(m, fast(q, k, v), (q, k, v))
+
+
+def test_probabilities_used_elsewhere_stay_explicit() -> None:
+    q, k, v = _qkv()
+
+    def f(q, k, v):  # type: ignore[no-untyped-def]
+        p = ((q @ k.transpose(-1, -2)) * 0.25).softmax(-1)
+        return p @ v, p.sum(-2)  # the probabilities themselves are needed
+
+    m, fast = _compile(f, (q, k, v))
+    assert "attention" not in fast.report.patterns()
+    assert_matches_eager(m, fast(q, k, v), (q, k, v))
+
+
+def test_short_sequences_stay_explicit_and_say_why() -> None:
+    q, k, v = _qkv(s=64)
+    m, fast = _compile(_attention("none"), (q, k, v))
+    assert "attention" not in fast.report.patterns()
+    (note,) = fast.report.attention
+    assert "kept as matmul, softmax, matmul" in note and str(MIN_SCORES) in note
+    assert_matches_eager(m, fast(q, k, v), (q, k, v))
+
+
+@pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="bfloat16 attention needs oneDNN"
+)
+def test_bfloat16_attention_with_float32_softmax() -> None:
+    q, k, v = _qkv(dtype=torch.bfloat16)
+    f = lambda q, k, v: ((q @ k.transpose(-1, -2)) * 0.25).float().softmax(-1).to(q.dtype) @ v
+    m, fast = _compile(f, (q, k, v))
+    assert fast.report.patterns().get("attention") == 1, str(fast.report)
+    assert_matches_eager(m, fast(q, k, v), (q, k, v))
+
+
+def test_transformer_block_never_stores_the_scores() -> None:
+    # GPT-2 block at 512 tokens: the 12x512x512 scores (12 MiB) would be the largest
+    # intermediate; with the fused call no pooled block or fresh tensor is that large
+    torch.manual_seed(0)
+    block = GPT2Block().eval()
+    x = torch.randn(1, 512, 768)
+    fast = opfuse.compile(block, (x,))
+    assert fast.report.patterns().get("attention") == 1
+    with torch.no_grad():
+        assert_matches_eager(block, fast(x), (x,))
+    plan = fast._first.compiled.run.plan
+    scores = 12 * 512 * 512 * 4
+    assert max(plan.pool_sizes, default=0) < scores
+    off = opfuse.compile(block, (x,), options=opfuse.Options(fuse_attention=False))
+    assert max(off._first.compiled.run.plan.pool_sizes) >= scores  # (what it saves)
