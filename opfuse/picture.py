@@ -20,6 +20,7 @@ COLORS = {
     "gemm_epilogue": "#fdbf6f",
     "conv_epilogue": "#fb9a99",
     "library": "#cab2d6",
+    "attention": "#ffff99",
     "fallback": "#dddddd",
 }
 IO_COLOR = "#ffffff"

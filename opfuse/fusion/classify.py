@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta
-from ..ir.ops import Kind, info
+from ..ir.ops import ATTENTION, Kind, info
 
 SUPPORTED_DTYPES = frozenset(
     {
@@ -58,6 +58,8 @@ def _tensor_metas(n: Node) -> list[TensorMeta]:
 
 def _kind(n: Node) -> tuple[Kind, str]:
     row = info(n.op)
+    if n.op == ATTENTION:
+        return Kind.OPAQUE, "the fused attention call reads it (a library call)"
     if row.kind == Kind.OPAQUE:
         return Kind.OPAQUE, f"{n.op} has no fused implementation"
     if n.op == GETITEM:
