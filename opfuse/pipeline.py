@@ -184,6 +184,7 @@ def tune(
             key = decision_key([*identity, *sorted(makers)])
             d = Decision(force, {}) if force in makers else load_decision(key)
             cands = _made(makers, [d.choice]) if d is not None and d.choice in makers else {}
+            timed = not cands
             if not cands:  # nothing remembered, or the library refused the remembered one
                 cands = _made(makers, makers)
                 if not cands:
@@ -197,6 +198,10 @@ def tune(
             del cands  # the losers' packed weights go now, not at the end of compile
             if chosen is not None:
                 built[g.id] = chosen
+            if timed:
+                # The heap the timing freed (inputs, outputs, losers) goes back to the OS
+                # now: glibc keeps it resident, and the next group's peak would stack on it.
+                release_freed_memory()
     return built, decisions
 
 
