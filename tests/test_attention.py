@@ -34,8 +34,12 @@ def _attention(mask_kind: str, scale_kind: str = "mul") -> Any:
         s = scaled(q, k)
         if mask_kind == "causal":
             s = s.masked_fill(causal, float("-inf"))
-        elif mask_kind == "causal_finfo_min":  # as Hugging Face writes it
+        elif mask_kind == "causal_finfo_min":
             s = torch.where(causal, torch.finfo(s.dtype).min, s)
+        elif mask_kind == "keep_finfo_min":  # as Hugging Face's GPT-2 writes it
+            s = torch.where(~causal, s, torch.full([], torch.finfo(s.dtype).min))
+        elif mask_kind == "keep_input":
+            s = torch.where(m, s, float("-inf"))
         elif mask_kind == "additive":
             s = s + m
         elif mask_kind == "bool_input":
@@ -51,7 +55,16 @@ def _compile(fn: Any, args: tuple[Any, ...]) -> tuple[nn.Module, Any]:
 
 
 @pytest.mark.parametrize(
-    "mask_kind", ["none", "causal", "causal_finfo_min", "additive", "bool_input"]
+    "mask_kind",
+    [
+        "none",
+        "causal",
+        "causal_finfo_min",
+        "keep_finfo_min",
+        "additive",
+        "bool_input",
+        "keep_input",
+    ],
 )
 @pytest.mark.parametrize("scale_kind", ["mul", "div"])
 def test_attention_runs_as_one_fused_call(mask_kind: str, scale_kind: str) -> None:
@@ -61,6 +74,10 @@ def test_attention_runs_as_one_fused_call(mask_kind: str, scale_kind: str) -> No
         args += ((torch.rand(2, 1, 1, S) < 0.2).float() * -10000.0,)
     elif mask_kind == "bool_input":
         args += (torch.rand(2, 1, S, S) < 0.3,)
+    elif mask_kind == "keep_input":  # (row 5 of batch 0 keeps nothing: NaN, as in eager)
+        keep = torch.rand(2, 1, S, S) > 0.3
+        keep[0, 0, 5] = False
+        args += (keep,)
     m, fast = _compile(_attention(mask_kind, scale_kind), args)
     assert_matches_eager(m, fast(*args), args)
     r = fast.report

@@ -83,7 +83,8 @@ class Match:
     v: Node
     scale: float
     mask: Node | None  # additive
-    condition: Node | None  # where(condition, -inf, x): masked where true
+    condition: Node | None  # where(condition, -inf, x) / where(condition, x, -inf)
+    keep: bool  # the condition says which scores to keep (the second form), not to mask
     module: str
 
 
@@ -116,7 +117,7 @@ def fuse_attention(graph: Graph) -> tuple[Graph, list[str]]:
         k = b.call(aten.transpose.int, b.get(m.kt), -2, -1, source=n.source)
         mask = b.get(m.mask) if m.mask is not None else None
         if m.condition is not None:
-            mask = _condition_mask(b, graph, m.condition, m.q.tensor.dtype)
+            mask = _condition_mask(b, graph, m.condition, m.keep, m.q.tensor.dtype)
         att = b.call(
             torch.ops.opfuse.attention.default,
             b.get(m.q),
@@ -137,14 +138,22 @@ def fuse_attention(graph: Graph) -> tuple[Graph, list[str]]:
     return b.build(graph.outputs), notes
 
 
-def _condition_mask(b: GraphBuilder, graph: Graph, cond: Node, dtype: torch.dtype) -> Node:
-    """where(cond, -inf, x) as the additive mask 0 / -inf."""
+def _condition_mask(
+    b: GraphBuilder, graph: Graph, cond: Node, keep: bool, dtype: torch.dtype
+) -> Node:
+    """The where's condition as the additive mask 0 / -inf."""
     if cond.op == CONSTANT:
-        c = graph.constants[cond.name]
-        t = torch.zeros(c.shape, dtype=dtype).masked_fill(c, -math.inf)
-        return b.constant(t, f"{cond.name}_additive")
+        t = torch.zeros(cond.tensor.shape, dtype=dtype)
+        return b.constant(t.masked_fill(_masked(graph, cond, keep), -math.inf), f"{cond.name}_add")
     zero = b.constant(torch.zeros((), dtype=dtype), f"{cond.name}_zero")
+    if keep:
+        return b.call(aten.where.ScalarOther, b.get(cond), zero, -math.inf)
     return b.call(aten.where.ScalarSelf, b.get(cond), -math.inf, zero)
+
+
+def _masked(graph: Graph, cond: Node, keep: bool) -> torch.Tensor:
+    c = graph.constants[cond.name]
+    return ~c if keep else c
 
 
 # -- matching ----------------------------------------------------------------------------
@@ -190,6 +199,7 @@ def _match(graph: Graph, bmm2: Node) -> Match | None:
 def _scores(graph: Graph, x: Node, bmm2: Node, v3: Node) -> Match | None:
     users, outputs = graph.users, graph.output_set
     mask = condition = None
+    keep = False
     top = x
     if x.op == "aten.add.Tensor" and bind(x).get("alpha", 1) == 1:
         for side, other in ((0, 1), (1, 0)):
@@ -202,13 +212,15 @@ def _scores(graph: Graph, x: Node, bmm2: Node, v3: Node) -> Match | None:
         if mask.tensor.dtype != x.tensor.dtype:
             return None
     elif x.op == "aten.where.self":
-        cond, fill, s = x.args
-        if not (isinstance(cond, Node) and isinstance(s, Node)):
+        cond, a, c = x.args
+        keep = _scalar(graph, c) is not None  # where(keep, s, fill), else where(masked, fill, s)
+        s, fill = (a, c) if keep else (c, a)
+        if not (isinstance(cond, Node) and isinstance(s, Node)) or cond.tensor.dtype != torch.bool:
             return None
         value = _scalar(graph, fill)
         if value is None or value > _FINITE_FILL:
             return None
-        if value != -math.inf and (cond.op != CONSTANT or _dead_rows(graph.constants[cond.name])):
+        if value != -math.inf and (cond.op != CONSTANT or _dead_rows(_masked(graph, cond, keep))):
             return None  # a finite fill on a fully masked row: eager gives a uniform row
         x, condition = s, cond
     if x is not top and (x in outputs or users[x] != [top] or x.tensor.shape != top.tensor.shape):
@@ -255,7 +267,7 @@ def _scores(graph: Graph, x: Node, bmm2: Node, v3: Node) -> Match | None:
     ):
         out = after[0]
     module = bmm2.source.module if bmm2.source and bmm2.source.module else ""
-    return Match(out, q, kt, v, scale, mask, condition, module)
+    return Match(out, q, kt, v, scale, mask, condition, keep, module)
 
 
 def _back(n: Node, ops: tuple[str, ...]) -> tuple[Node, list[tuple[Node, Node]]]:
