@@ -285,6 +285,17 @@ def test_epilogue_after_packed_mkl_gemm() -> None:
     assert r.kernels_after == 2  # the packed GEMM, then one kernel for the whole epilogue
 
 
+def test_large_weights_left_as_views_still_get_the_packed_gemm() -> None:
+    # A weight of more than 4M elements is not constant-folded: the GEMM reads a transpose
+    # view of it, which the packed MKL GEMM (and oneDNN) must see through
+    torch.manual_seed(0)
+    lin = nn.Linear(1025, 4096)
+    x = torch.randn(4, 1025)
+    r = run(lambda t: lin(t), (x,), "mkl")
+    (g,) = anchored(r, "library")
+    assert g.kernel == "mkl(addmm)", str(r)
+
+
 def _amx_or_avx512_bf16() -> bool:
     try:
         with open("/proc/cpuinfo") as f:

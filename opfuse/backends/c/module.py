@@ -155,16 +155,8 @@ def _make_gemm(
 
 
 def _weight(graph: Graph, k: GemmKernel) -> torch.Tensor:
-    node = k.spec.b.node
-    root = _const_root(node)
-    assert root is not None
-    t = graph.constants.get(node.name)
-    if t is None:  # a view of a constant: rebuild it with the node's layout
-        base = graph.constants[root.name]
-        m = node.tensor
-        t = base.as_strided(
-            m.shape, m.stride, base.storage_offset() + m.offset - root.tensor.offset
-        )
+    t = _const(graph, k.spec.b.node)
+    assert t is not None
     return t
 
 
@@ -216,11 +208,18 @@ def _frozen_linear(
 
 
 def _const(graph: Graph, n: Node | None) -> torch.Tensor | None:
+    """A frozen constant, or a view of one (constant folding leaves views of large weights,
+    e.g. the transpose of a 4096x4096 linear's) rebuilt with the node's layout; else None."""
     if n is None:
         return None
     if n.name in graph.constants:
         return graph.constants[n.name]
-    return None
+    root = _const_root(n)
+    if root is None:
+        return None
+    base = graph.constants[root.name]
+    m = n.tensor
+    return base.as_strided(m.shape, m.stride, base.storage_offset() + m.offset - root.tensor.offset)
 
 
 def _linear_call(graph: Graph, plan: OneDnnPlan) -> BuiltCall | None:
