@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..ir.graph import CONSTANT, Graph, GraphBuilder, Node, TensorMeta, bind
+from ..ir.graph import CONSTANT, Graph, GraphBuilder, Node, bind
 
 aten = torch.ops.aten
 
@@ -157,19 +157,20 @@ def _masked(graph: Graph, cond: Node, keep: bool) -> torch.Tensor:
 
 
 # -- matching ----------------------------------------------------------------------------
+def _read_only_by(graph: Graph, n: Node, *readers: Node) -> bool:
+    """Is n no graph output, read by exactly these nodes (an intermediate of the pattern)?"""
+    return n not in graph.output_set and sorted(map(id, graph.users[n])) == sorted(map(id, readers))
+
+
 def _match(graph: Graph, bmm2: Node) -> Match | None:
-    users = graph.users
-    outputs = graph.output_set
-
-    def only_user(n: Node, user: Node) -> bool:
-        return n not in outputs and users[n] == [user]
-
     p3, v3 = bmm2.args[0], bmm2.args[1]
     if not isinstance(p3, Node) or not isinstance(v3, Node):
         return None
     # probabilities: back through views / identity expands / a dtype conversion to the div
     p, chain = _back(p3, _COPIES + _CONVERT)
-    if p.op != "aten.div.Tensor" or not all(only_user(a, u) for a, u in [*chain, (p3, bmm2)]):
+    if p.op != "aten.div.Tensor" or not all(
+        _read_only_by(graph, a, u) for a, u in [*chain, (p3, bmm2)]
+    ):
         return None
     ex, total = p.args
     if not (isinstance(ex, Node) and isinstance(total, Node) and ex.op == "aten.exp.default"):
@@ -184,20 +185,21 @@ def _match(graph: Graph, bmm2: Node) -> Match | None:
         return None
     if mx.args[0] is not x or not _last_dim(mx):
         return None
-    if sorted(map(id, users[ex])) != sorted(map(id, [total, p])) or ex in outputs:
-        return None
-    if users[total] != [p] or users[mx] != [sub] or users[sub] != [ex]:
-        return None
-    if sorted(map(id, users[x])) != sorted(map(id, [mx, sub])) or x in outputs:
+    if not (
+        _read_only_by(graph, ex, total, p)
+        and _read_only_by(graph, total, p)
+        and _read_only_by(graph, mx, sub)
+        and _read_only_by(graph, sub, ex)
+        and _read_only_by(graph, x, mx, sub)
+    ):
         return None
     x, conv = _back(x, _CONVERT)  # softmax computed in float32 for a half-precision model
-    if not all(only_user(a, u) for a, u in conv):
+    if not all(_read_only_by(graph, a, u) for a, u in conv):
         return None
     return _scores(graph, x, bmm2, v3)
 
 
 def _scores(graph: Graph, x: Node, bmm2: Node, v3: Node) -> Match | None:
-    users, outputs = graph.users, graph.output_set
     mask = condition = None
     keep = False
     top = x
@@ -223,7 +225,7 @@ def _scores(graph: Graph, x: Node, bmm2: Node, v3: Node) -> Match | None:
         if value != -math.inf and (cond.op != CONSTANT or _dead_rows(_masked(graph, cond, keep))):
             return None  # a finite fill on a fully masked row: eager gives a uniform row
         x, condition = s, cond
-    if x is not top and (x in outputs or users[x] != [top] or x.tensor.shape != top.tensor.shape):
+    if x is not top and (not _read_only_by(graph, x, top) or x.tensor.shape != top.tensor.shape):
         return None  # (a mask that broadcasts the scores to a larger shape: not attention's)
     scale = 1.0
     if x.op in ("aten.mul.Tensor", "aten.div.Tensor") and isinstance(x.args[1], (int, float)):
@@ -232,13 +234,11 @@ def _scores(graph: Graph, x: Node, bmm2: Node, v3: Node) -> Match | None:
             return None
         scale = c if x.op == "aten.mul.Tensor" else 1.0 / c
         nxt = x.args[0]
-        if not isinstance(nxt, Node) or nxt in outputs or users[nxt] != [x]:
+        if not isinstance(nxt, Node) or not _read_only_by(graph, nxt, x):
             return None
         x = nxt
     s4, chain = _back(x, _VIEWS)
-    if s4.op != "aten.bmm.default" or not all(
-        a not in outputs and users[a] == [u] for a, u in chain
-    ):
+    if s4.op != "aten.bmm.default" or not all(_read_only_by(graph, a, u) for a, u in chain):
         return None
     bmm1 = s4
     batch = x.tensor.shape[:-2]
@@ -258,12 +258,12 @@ def _scores(graph: Graph, x: Node, bmm2: Node, v3: Node) -> Match | None:
     if kt.tensor.dtype != dt or v.tensor.dtype != dt or x.tensor.dtype != dt:
         return None
     out = bmm2
-    after = users[bmm2]
+    after = graph.users[bmm2]
     if (
         len(after) == 1
         and after[0].op in _VIEWS
         and after[0].tensor.shape == (*batch, sq, dv)
-        and bmm2 not in outputs
+        and bmm2 not in graph.output_set
     ):
         out = after[0]
     module = bmm2.source.module if bmm2.source and bmm2.source.module else ""
@@ -285,14 +285,13 @@ def _back(n: Node, ops: tuple[str, ...]) -> tuple[Node, list[tuple[Node, Node]]]
 
 
 def _source(n: Node, shape: tuple[int, ...]) -> Node | None:
-    """The tensor of `shape` that a bmm operand was copied/reshaped from."""
-    found = n if n.tensor.shape == shape else None
-    while n.op in _COPIES and isinstance(n.args[0], Node):
-        if n.op == "aten.expand.default" and n.args[0].tensor.shape != n.tensor.shape:
-            break
-        n = n.args[0]
-        if isinstance(n.meta, TensorMeta) and n.tensor.shape == shape:
-            found = n
+    """The tensor of `shape` that a bmm operand was copied/reshaped from: the farthest one
+    up its chain of copies and views."""
+    _, chain = _back(n, _COPIES)
+    found = None
+    for m in [n, *(a for a, _ in chain)]:
+        if m.tensor.shape == shape:
+            found = m
     return found
 
 
