@@ -73,6 +73,15 @@ def _aliases_input(n: Node) -> bool:
     return any(r.alias_info is not None for r in schema.returns)
 
 
+def _pure_view(n: Node) -> bool:
+    """Is n an aten op returning a view of an argument and writing nothing (view, expand,
+    permute, slice...)? The runtime computes such a step once when its base is fixed."""
+    schema = getattr(n.target, "_schema", None)
+    if n.op == GETITEM or schema is None or schema.is_mutable:
+        return False
+    return any(r.alias_info is not None for r in schema.returns)
+
+
 # Torch ops whose result may go into the pool through their out= overload: the GEMMs that
 # run unfused or as library groups (an MLP's 8x512x3072 hidden layer is 48 MiB).
 POOLED_OUT = frozenset(
@@ -106,6 +115,7 @@ class _Planner:
                 {k: map_args(v, lambda a: Slot(s[a])) for k, v in n.kwargs},
                 s[n],
                 out_fn=n.target.overloadpacket.out if fn is None and n.op in POOLED_OUT else None,
+                view=fn is None and _pure_view(n),
             )
         )
         for i in n.inputs():

@@ -92,6 +92,9 @@ class TorchStep:
     out_fn: Callable[..., Any] | None = None
     out_block: int | None = None
     out_meta: TensorMeta | None = None
+    # A pure view (view, expand, permute, slice...): computed once, at the first call,
+    # when what it views is fixed memory (a pooled block, a constant).
+    view: bool = False
 
 
 @dataclass(frozen=True)
@@ -147,18 +150,35 @@ class Runtime:
         _LIVE.add(self)
 
     def _prepare(self) -> _Frame:
+        # Normal tensors even when the first call is under inference_mode: torch refuses
+        # out= writes into inference tensors outside it.
+        with torch.inference_mode(False):
+            return self._prepare_frame()
+
+    def _prepare_frame(self) -> _Frame:
         f = self._frame
         plan = self.plan
         f.blocks = [torch.empty(max(n, 1), dtype=torch.uint8) for n in plan.pool_sizes]
+        f.bind = [_binder(s.args) if isinstance(s, TorchStep) else None for s in plan.steps]
+        # Values at fixed addresses on every call: constants, pooled results and the views
+        # of those. They sit in the environment from the start; their steps never run.
+        fixed: list[Any] = [None] * plan.n_slots
+        for k, v in plan.constants.items():
+            fixed[k] = v
         f.pooled = {}  # (step, arg) -> tensor view of a pooled block
+        f.skip = [False] * len(plan.steps)
         f.arrays = []
         f.dynamic = []  # per step: [(arg position, arg)] filled on every call
-        f.bind = [_binder(s.args) if isinstance(s, TorchStep) else None for s in plan.steps]
         for si, step in enumerate(plan.steps):
             if not isinstance(step, KernelStep):
                 if step.out_block is not None:
                     assert step.out_meta is not None
                     f.pooled[(si, -1)] = _typed(f.blocks[step.out_block], step.out_meta)
+                    fixed[step.output] = f.pooled[(si, -1)]
+                elif step.view and _all_fixed(step, fixed):
+                    kwargs = {k: _resolve(v, fixed) for k, v in step.kwargs.items()}
+                    fixed[step.output] = step.fn(*f.bind[si](fixed), **kwargs)
+                    f.skip[si] = True
                 f.arrays.append(None)
                 f.dynamic.append(None)
                 continue
@@ -168,18 +188,24 @@ class Runtime:
                 if isinstance(a, Const):
                     arr[ai] = a.value if isinstance(a.value, int) else a.value.data_ptr()
                 elif isinstance(a, Scratch):
-                    arr[ai] = f.blocks[a.block].data_ptr() if a.block is not None else None
                     if a.block is None:
                         raise AssertionError("scratch without a block")
+                    arr[ai] = f.blocks[a.block].data_ptr()
                 elif isinstance(a, Out) and a.block is not None:
                     t = _typed(f.blocks[a.block], a.meta)
-                    f.pooled[(si, ai)] = t
+                    f.pooled[(si, ai)] = fixed[a.slot] = t
                     arr[ai] = t.data_ptr()
-                    dyn.append((ai, a))
+                elif (
+                    isinstance(a, In)
+                    and fixed[a.slot] is not None
+                    and _has_layout(fixed[a.slot], a.meta)
+                ):
+                    arr[ai] = fixed[a.slot].data_ptr()
                 else:
                     dyn.append((ai, a))
             f.arrays.append(arr)
             f.dynamic.append(dyn)
+        f.fixed = fixed
         f.recycle = {}
         f.ready = True
         return f
@@ -187,15 +213,16 @@ class Runtime:
     def __call__(self, inputs: list[Any]) -> list[Any]:
         f = self._frame if self._frame.ready else self._prepare()
         plan = self.plan
-        env: list[Any] = [None] * plan.n_slots
-        for k, v in plan.constants.items():
-            env[k] = v
+        env: list[Any] = f.fixed.copy()
         for s, v in zip(plan.input_slots, inputs):
             env[s] = v
         nthreads = torch.get_num_threads()
         frees = plan.frees or [()] * len(plan.steps)
+        skip = f.skip
         for si, step in enumerate(plan.steps):
-            if type(step) is KernelStep:
+            if skip[si]:
+                pass
+            elif type(step) is KernelStep:
                 arr = f.arrays[si]
                 for ai, a in f.dynamic[si]:
                     if type(a) is In:
@@ -203,7 +230,7 @@ class Runtime:
                         if a.check:
                             t = env[a.slot] = _conform(t, a.meta)
                         arr[ai] = t.data_ptr()
-                    elif a.block is None:  # fresh output
+                    else:  # a fresh output
                         t = None  # no stray reference to what _take may reuse
                         if a.steal is not None:
                             t = _take(env, a, step.args[a.steal])
@@ -211,8 +238,6 @@ class Runtime:
                             t = _fresh(f.recycle, (si, ai), a.meta)
                         arr[ai] = t.data_ptr()
                         env[a.slot] = t
-                    else:
-                        env[a.slot] = f.pooled[(si, ai)]
                 if step.fn(arr, nthreads):
                     # torch raises this very error for integer division by zero
                     raise RuntimeError("ZeroDivisionError")
@@ -256,7 +281,12 @@ def _fresh(
     has dropped it and every view of it (a caching allocator: large fresh allocations cost
     page faults on every call)."""
     t = cache.get(key)
-    if t is not None and _unshared(t, 2):  # the cache entry, t
+    if (
+        t is not None
+        and _unshared(t, 2)  # the cache entry, t
+        # an inference tensor only where the caller is in inference_mode, as torch would
+        and t.is_inference() == torch.is_inference_mode_enabled()
+    ):
         return t
     t = torch.empty_strided(m.shape, m.stride, dtype=m.dtype)
     cache[key] = t
@@ -325,6 +355,20 @@ def _binder(args: tuple[Any, ...]) -> Callable[[list[Any]], Any]:
         return out
 
     return bind
+
+
+def _all_fixed(step: TorchStep, fixed: list[Any]) -> bool:
+    slots: list[int] = []
+    _slots((step.args, tuple(step.kwargs.values())), slots)
+    return all(fixed[i] is not None for i in slots)
+
+
+def _slots(v: Any, acc: list[int]) -> None:
+    if type(v) is Slot:
+        acc.append(v.index)
+    elif type(v) in (list, tuple):
+        for x in v:
+            _slots(x, acc)
 
 
 def _has_slot(v: Any) -> bool:

@@ -221,6 +221,60 @@ def test_unfused_gemm_writes_into_the_pool_through_out(returns_hidden: bool) -> 
         assert_matches_eager(m, got, (x,))
 
 
+def _attention_like(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    # linear -> view -> permute -> bmm: the views read a pooled GEMM result.
+    b, s, d = q.shape
+    h = torch.nn.functional.linear(q, k)
+    h = h.view(b, s, 4, d // 4).permute(0, 2, 1, 3).reshape(b * 4, s, d // 4)
+    scores = torch.bmm(h, h.transpose(1, 2)).softmax(-1)
+    return torch.bmm(scores, h).view(b, 4, s, d // 4).sum(1)
+
+
+def test_views_of_fixed_memory_are_made_once() -> None:
+    # A view whose base is a pooled block or a constant has the same address on every call:
+    # the runtime computes it at the first call and never runs its step again.
+    torch.manual_seed(0)
+    w = torch.randn(32, 32)
+    m = Fn(lambda q: _attention_like(q, w)).eval()
+    x = torch.randn(2, 24, 32)
+    fast = opfuse.compile(m, (x,), options=opfuse.Options(implementation="unfused"))
+    rt = fast._first.compiled.run
+    calls: list[str] = []
+    for step in rt.plan.steps:
+        if getattr(step, "view", False):
+            fn = step.fn
+            step.fn = lambda *a, _fn=fn, _n=step.name, **k: (calls.append(_n), _fn(*a, **k))[1]
+    views = [s.name for s in rt.plan.steps if getattr(s, "view", False)]
+    assert views, [s.name for s in rt.plan.steps]
+    with torch.no_grad():
+        assert_matches_eager(m, fast(x), (x,))
+        first = list(calls)
+        calls.clear()
+        got = fast(x + 1)
+    assert_matches_eager(m, got, (x + 1,))
+    assert sorted(first) == sorted(views)  # each view made once by the first call
+    skipped = {s.name for s, skip in zip(rt.plan.steps, rt._frame.skip) if skip}
+    assert skipped and not skipped & set(calls), (skipped, calls)
+
+
+def test_first_call_under_inference_mode_then_outside() -> None:
+    # Pooled blocks (written through out= by torch) made under inference_mode would be
+    # inference tensors that torch refuses to write outside it.
+    torch.manual_seed(0)
+    fc1, fc2 = torch.nn.Linear(32, 96), torch.nn.Linear(96, 32)
+    m = Fn(lambda x: fc2(torch.nn.functional.gelu(fc1(x))) + x).eval()
+    x = torch.randn(4, 25, 32)
+    fast = opfuse.compile(m, (x,), options=opfuse.Options(implementation="unfused"))
+    with torch.inference_mode():
+        a = fast(x)
+    assert a.is_inference()
+    with torch.no_grad():
+        b = fast(x)
+    assert not b.is_inference()  # not the recycled inference tensor
+    assert torch.equal(a, b)
+    assert_matches_eager(m, b, (x,))
+
+
 def test_dropped_outputs_are_recycled_held_ones_never() -> None:
     m, args = model(), inputs()
     fast = opfuse.compile(m, args)
