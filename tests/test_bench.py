@@ -1,0 +1,30 @@
+"""The benchmark's own correctness: what each candidate column really runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from opfuse.bench.run import _inductor
+
+
+def _gemm_ops(fn, x: torch.Tensor) -> set[str]:  # type: ignore[no-untyped-def]
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as p:
+        fn(x)
+    return {e.name for e in p.events() if "mm" in e.name or "linear" in e.name}
+
+
+@pytest.mark.skipif(not torch._C.has_mkl, reason="freezing packs linears for MKL only")
+def test_inductor_and_inductor_freezing_run_their_own_code() -> None:
+    # Both compile the same module: dynamo must not serve one candidate the other's code
+    # (the default column used to run the frozen graph's packed linear).
+    m = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.GELU()).eval()
+    x = torch.randn(16, 64)
+    _, _ = _inductor(m, (x,), freezing=False)
+    default, _ = _inductor(m, (x,), freezing=False)
+    frozen, _ = _inductor(m, (x,), freezing=True, reset=False)
+    for _ in range(2):
+        assert "aten::addmm" in _gemm_ops(default, x)
+        assert "mkl::_mkl_linear" in _gemm_ops(frozen, x)
+    torch._dynamo.reset()
