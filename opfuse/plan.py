@@ -8,6 +8,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from .fusion.groups import Partition
 from .ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta, map_args
 from .lower.epilogue import GemmKernel
@@ -89,6 +91,28 @@ POOLED_OUT = frozenset(
 )
 
 
+# Functional ops AOTAutograd emits that copy their first argument before writing into it
+# (an embedding's backward: zeros, then index_put of the gradient rows: a 94 MiB copy for
+# BERT's vocabulary). When that argument is a dead torch result nothing else holds, the
+# in-place variant writes into it instead.
+IN_PLACE = {
+    "aten.index_put.default": "index_put_",
+    "aten.index_add.default": "index_add_",
+    "aten.scatter_add.default": "scatter_add_",
+    "aten.scatter.src": "scatter_",
+    "aten.scatter.value": "scatter_",
+    "aten.scatter_reduce.two": "scatter_reduce_",
+}
+
+
+def _in_place_variant(n: Node) -> Callable[..., Any] | None:
+    name = IN_PLACE.get(n.op)
+    if name is None:
+        return None
+    packet = getattr(torch.ops.aten, name)
+    return getattr(packet, n.target._overloadname)
+
+
 class _Planner:
     def __init__(self, graph: Graph) -> None:
         self.g = graph
@@ -118,6 +142,11 @@ class _Planner:
                 view=fn is None and _pure_view(n),
             )
         )
+        inplace = _in_place_variant(n) if fn is None else None
+        if inplace is not None and isinstance(n.meta, TensorMeta):
+            step = self.steps[-1]
+            assert isinstance(step, TorchStep)
+            step.inplace, step.donate, step.donor = inplace, 0, n.meta
         for i in n.inputs():
             self.read(i)
         self.ready.add(n)

@@ -167,6 +167,8 @@ class Runtime:
             fixed[k] = v
         f.pooled = {}  # (step, arg) -> tensor view of a pooled block
         f.skip = [False] * len(plan.steps)
+        # A view the caller gets back stays a new tensor per call, as eager's is.
+        returned = {o.index for o in plan.outputs if type(o) is Slot}
         f.arrays = []
         f.dynamic = []  # per step: [(arg position, arg)] filled on every call
         for si, step in enumerate(plan.steps):
@@ -175,7 +177,7 @@ class Runtime:
                     assert step.out_meta is not None
                     f.pooled[(si, -1)] = _typed(f.blocks[step.out_block], step.out_meta)
                     fixed[step.output] = f.pooled[(si, -1)]
-                elif step.view and _all_fixed(step, fixed):
+                elif step.view and step.output not in returned and _all_fixed(step, fixed):
                     kwargs = {k: _resolve(v, fixed) for k, v in step.kwargs.items()}
                     fixed[step.output] = step.fn(*f.bind[si](fixed), **kwargs)
                     f.skip[si] = True

@@ -59,6 +59,40 @@ def test_mlp_training_matches_eager() -> None:
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_embedding_backward_accumulates_into_its_zeros_in_place() -> None:
+    # AOTAutograd's embedding backward is zeros + a functional index_put, which copies the
+    # zeros (the whole vocabulary's gradient). The zeros die there: index_put_ writes into
+    # them. Repeated token ids check that the accumulation is kept.
+    from opfuse import runtime
+
+    torch.manual_seed(0)
+    m1 = nn.Sequential(nn.Embedding(500, 32), nn.Linear(32, 32))
+    m2 = copy.deepcopy(m1)
+    fwd = torch.compile(m1, backend="opfuse")
+    idx = torch.randint(0, 20, (8, 16), generator=torch.Generator().manual_seed(1))
+    before = set(runtime._LIVE)
+    fwd(idx).pow(2).mean().backward()
+    steps = [
+        s
+        for rt in set(runtime._LIVE) - before
+        for s in rt.plan.steps
+        if isinstance(s, runtime.TorchStep) and s.name.startswith("index_put")
+    ]
+    assert steps and all(s.donate == 0 for s in steps), steps
+    used: list[str] = []
+    for s in steps:
+        fn = s.inplace
+        s.inplace = lambda *a, _fn=fn, _n=s.name, **k: (used.append(_n), _fn(*a, **k))[1]
+    for _ in range(2):
+        for p in m1.parameters():
+            p.grad = None
+        fwd(idx).pow(2).mean().backward()
+    m2(idx).pow(2).mean().backward()
+    assert len(used) == 2 * len(steps)
+    for a, b in zip(m1.parameters(), m2.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_opfuse_compile_in_training_mode_trains() -> None:
     m1, m2 = make_mlp(), make_mlp()
     fast = opfuse.compile(m1.train(), torch.randn(4, 16))
