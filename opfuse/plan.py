@@ -79,9 +79,7 @@ def _pure_view(n: Node) -> bool:
     """Is n an aten op returning a view of an argument and writing nothing (view, expand,
     permute, slice...)? The runtime computes such a step once when its base is fixed."""
     schema = getattr(n.target, "_schema", None)
-    if n.op == GETITEM or schema is None or schema.is_mutable:
-        return False
-    return any(r.alias_info is not None for r in schema.returns)
+    return n.op != GETITEM and schema is not None and not schema.is_mutable and _aliases_input(n)
 
 
 # Torch ops whose result may go into the pool through their out= overload: the GEMMs that
@@ -95,22 +93,15 @@ POOLED_OUT = frozenset(
 # (an embedding's backward: zeros, then index_put of the gradient rows: a 94 MiB copy for
 # BERT's vocabulary). When that argument is a dead torch result nothing else holds, the
 # in-place variant writes into it instead.
+aten = torch.ops.aten
 IN_PLACE = {
-    "aten.index_put.default": "index_put_",
-    "aten.index_add.default": "index_add_",
-    "aten.scatter_add.default": "scatter_add_",
-    "aten.scatter.src": "scatter_",
-    "aten.scatter.value": "scatter_",
-    "aten.scatter_reduce.two": "scatter_reduce_",
+    "aten.index_put.default": aten.index_put_.default,
+    "aten.index_add.default": aten.index_add_.default,
+    "aten.scatter_add.default": aten.scatter_add_.default,
+    "aten.scatter.src": aten.scatter_.src,
+    "aten.scatter.value": aten.scatter_.value,
+    "aten.scatter_reduce.two": aten.scatter_reduce_.two,
 }
-
-
-def _in_place_variant(n: Node) -> Callable[..., Any] | None:
-    name = IN_PLACE.get(n.op)
-    if name is None:
-        return None
-    packet = getattr(torch.ops.aten, name)
-    return getattr(packet, n.target._overloadname)
 
 
 class _Planner:
@@ -142,7 +133,7 @@ class _Planner:
                 view=fn is None and _pure_view(n),
             )
         )
-        inplace = _in_place_variant(n) if fn is None else None
+        inplace = IN_PLACE.get(n.op) if fn is None else None
         if inplace is not None and isinstance(n.meta, TensorMeta):
             step = self.steps[-1]
             assert isinstance(step, TorchStep)

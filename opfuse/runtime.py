@@ -165,7 +165,6 @@ class Runtime:
         fixed: list[Any] = [None] * plan.n_slots
         for k, v in plan.constants.items():
             fixed[k] = v
-        f.pooled = {}  # (step, arg) -> tensor view of a pooled block
         f.skip = [False] * len(plan.steps)
         # A view the caller gets back stays a new tensor per call, as eager's is.
         returned = {o.index for o in plan.outputs if type(o) is Slot}
@@ -175,9 +174,12 @@ class Runtime:
             if not isinstance(step, KernelStep):
                 if step.out_block is not None:
                     assert step.out_meta is not None
-                    f.pooled[(si, -1)] = _typed(f.blocks[step.out_block], step.out_meta)
-                    fixed[step.output] = f.pooled[(si, -1)]
-                elif step.view and step.output not in returned and _all_fixed(step, fixed):
+                    fixed[step.output] = _typed(f.blocks[step.out_block], step.out_meta)
+                elif (
+                    step.view
+                    and step.output not in returned
+                    and _all_fixed((step.args, tuple(step.kwargs.values())), fixed)
+                ):
                     kwargs = {k: _resolve(v, fixed) for k, v in step.kwargs.items()}
                     fixed[step.output] = step.fn(*f.bind[si](fixed), **kwargs)
                     f.skip[si] = True
@@ -195,7 +197,7 @@ class Runtime:
                     arr[ai] = f.blocks[a.block].data_ptr()
                 elif isinstance(a, Out) and a.block is not None:
                     t = _typed(f.blocks[a.block], a.meta)
-                    f.pooled[(si, ai)] = fixed[a.slot] = t
+                    fixed[a.slot] = t
                     arr[ai] = t.data_ptr()
                 elif (
                     isinstance(a, In)
@@ -252,7 +254,7 @@ class Runtime:
                     env[step.output] = step.inplace(*args, **kwargs)
                 elif step.out_block is not None:
                     assert step.out_fn is not None
-                    env[step.output] = step.out_fn(*args, **kwargs, out=f.pooled[(si, -1)])
+                    env[step.output] = step.out_fn(*args, **kwargs, out=f.fixed[step.output])
                 else:
                     env[step.output] = step.fn(*args, **kwargs)
                 args = kwargs = None  # type: ignore[assignment]
@@ -359,18 +361,13 @@ def _binder(args: tuple[Any, ...]) -> Callable[[list[Any]], Any]:
     return bind
 
 
-def _all_fixed(step: TorchStep, fixed: list[Any]) -> bool:
-    slots: list[int] = []
-    _slots((step.args, tuple(step.kwargs.values())), slots)
-    return all(fixed[i] is not None for i in slots)
-
-
-def _slots(v: Any, acc: list[int]) -> None:
+def _all_fixed(v: Any, fixed: list[Any]) -> bool:
+    """Does every slot v reads hold a fixed value?"""
     if type(v) is Slot:
-        acc.append(v.index)
-    elif type(v) in (list, tuple):
-        for x in v:
-            _slots(x, acc)
+        return fixed[v.index] is not None
+    if type(v) in (list, tuple):
+        return all(_all_fixed(x, fixed) for x in v)
+    return True
 
 
 def _has_slot(v: Any) -> bool:
