@@ -93,14 +93,14 @@ POOLED_OUT = frozenset(
 # (an embedding's backward: zeros, then index_put of the gradient rows: a 94 MiB copy for
 # BERT's vocabulary). When that argument is a dead torch result nothing else holds, the
 # in-place variant writes into it instead.
-aten = torch.ops.aten
+_aten = torch.ops.aten
 IN_PLACE = {
-    "aten.index_put.default": aten.index_put_.default,
-    "aten.index_add.default": aten.index_add_.default,
-    "aten.scatter_add.default": aten.scatter_add_.default,
-    "aten.scatter.src": aten.scatter_.src,
-    "aten.scatter.value": aten.scatter_.value,
-    "aten.scatter_reduce.two": aten.scatter_reduce_.two,
+    "aten.index_put.default": _aten.index_put_.default,
+    "aten.index_add.default": _aten.index_add_.default,
+    "aten.scatter_add.default": _aten.scatter_add_.default,
+    "aten.scatter.src": _aten.scatter_.src,
+    "aten.scatter.value": _aten.scatter_.value,
+    "aten.scatter_reduce.two": _aten.scatter_reduce_.two,
 }
 
 
@@ -122,6 +122,7 @@ class _Planner:
             self.need(i)
         target = fn or (operator.getitem if n.op == GETITEM else n.target)
         s = self.slot
+        inplace = IN_PLACE.get(n.op) if fn is None and isinstance(n.meta, TensorMeta) else None
         self.steps.append(
             TorchStep(
                 n.name,
@@ -131,13 +132,11 @@ class _Planner:
                 s[n],
                 out_fn=n.target.overloadpacket.out if fn is None and n.op in POOLED_OUT else None,
                 view=fn is None and _pure_view(n),
+                inplace=inplace,
+                donate=0 if inplace is not None else None,
+                donor=n.tensor if inplace is not None else None,
             )
         )
-        inplace = IN_PLACE.get(n.op) if fn is None else None
-        if inplace is not None and isinstance(n.meta, TensorMeta):
-            step = self.steps[-1]
-            assert isinstance(step, TorchStep)
-            step.inplace, step.donate, step.donor = inplace, 0, n.meta
         for i in n.inputs():
             self.read(i)
         self.ready.add(n)

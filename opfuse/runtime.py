@@ -15,7 +15,7 @@ import ctypes
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -178,10 +178,12 @@ class Runtime:
                 elif (
                     step.view
                     and step.output not in returned
-                    and _all_fixed((step.args, tuple(step.kwargs.values())), fixed)
+                    and all(
+                        fixed[i] is not None
+                        for i in _slots((step.args, tuple(step.kwargs.values())))
+                    )
                 ):
-                    kwargs = {k: _resolve(v, fixed) for k, v in step.kwargs.items()}
-                    fixed[step.output] = step.fn(*f.bind[si](fixed), **kwargs)
+                    fixed[step.output] = step.fn(*f.bind[si](fixed), **_kwargs(step, fixed))
                     f.skip[si] = True
                 f.arrays.append(None)
                 f.dynamic.append(None)
@@ -248,7 +250,7 @@ class Runtime:
             else:
                 assert isinstance(step, TorchStep)
                 args = f.bind[si](env)
-                kwargs = {k: _resolve(v, env) for k, v in step.kwargs.items()}
+                kwargs = _kwargs(step, env)
                 if step.donate is not None and _donate(env, step, args):
                     assert step.inplace is not None
                     env[step.output] = step.inplace(*args, **kwargs)
@@ -361,19 +363,21 @@ def _binder(args: tuple[Any, ...]) -> Callable[[list[Any]], Any]:
     return bind
 
 
-def _all_fixed(v: Any, fixed: list[Any]) -> bool:
-    """Does every slot v reads hold a fixed value?"""
+def _slots(v: Any) -> Iterator[int]:
+    """The slot indices a (nested) argument reads."""
     if type(v) is Slot:
-        return fixed[v.index] is not None
-    if type(v) in (list, tuple):
-        return all(_all_fixed(x, fixed) for x in v)
-    return True
+        yield v.index
+    elif type(v) in (list, tuple):
+        for x in v:
+            yield from _slots(x)
 
 
 def _has_slot(v: Any) -> bool:
-    if type(v) is Slot:
-        return True
-    return type(v) in (list, tuple) and any(_has_slot(x) for x in v)
+    return next(_slots(v), None) is not None
+
+
+def _kwargs(step: TorchStep, env: list[Any]) -> dict[str, Any]:
+    return {k: _resolve(v, env) for k, v in step.kwargs.items()}
 
 
 def _resolve(v: Any, env: list[Any]) -> Any:
