@@ -71,9 +71,10 @@ _DECOMPOSE = (
 )
 
 
-@functools.lru_cache(maxsize=1)
-def decompositions() -> dict[Any, Callable[..., Any]]:
-    """The decomposition table used by both capture paths."""
+@functools.lru_cache(maxsize=2)
+def decompositions(training: bool = False) -> dict[Any, Callable[..., Any]]:
+    """The decomposition table of both capture paths (`training`: AOTAutograd's joint
+    forward/backward trace)."""
     from torch._decomp import core_aten_decompositions, get_decompositions
 
     table = dict(core_aten_decompositions())
@@ -83,6 +84,12 @@ def decompositions() -> dict[Any, Callable[..., Any]]:
     # BatchNorm without running statistics stays whole so that the BatchNorm pass can say
     # why it is not folded; it lowers it itself (rewrite/batchnorm.py).
     table.pop(aten._native_batch_norm_legit.no_stats, None)
+    if training:
+        # This decomposition is for export: it returns the attention probabilities where
+        # the op returns its log-sum-exp, and the flash backward AOTAutograd pairs with the
+        # op reads that slot as log-sum-exp, computing wrong gradients without an error
+        # (measured: q/k/v gradients off by up to 150). Inductor excludes it too.
+        table.pop(aten._scaled_dot_product_flash_attention_for_cpu.default, None)
     return table
 
 

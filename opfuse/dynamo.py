@@ -96,7 +96,7 @@ def opfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kw
     backend = aot_autograd(
         fw_compiler=_compiler,
         bw_compiler=_compiler,
-        decompositions=decompositions(),
+        decompositions=decompositions(training=True),
         partition_fn=min_cut_rematerialization_partition,
     )
     relaid = channels_last_convolutions(gm)

@@ -59,6 +59,27 @@ def test_mlp_training_matches_eager() -> None:
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_scaled_dot_product_attention_trains_like_eager(norm_first: bool) -> None:
+    """F.scaled_dot_product_attention (here inside nn.TransformerEncoderLayer) keeps its
+    flash forward in training: torch's export decomposition of it returns the probabilities
+    where the flash backward reads the log-sum-exp, so gradients came out wrong silently."""
+    torch.manual_seed(0)
+    ref = nn.TransformerEncoderLayer(
+        32, 4, 64, dropout=0.0, batch_first=True, norm_first=norm_first
+    ).train()
+    ours = copy.deepcopy(ref)
+    x = torch.randn(2, 10, 32)
+    weight = torch.linspace(0.5, 1.5, 2 * 10 * 32).view(2, 10, 32)
+    (ref(x) * weight).sum().backward()
+    torch._dynamo.reset()
+    out = torch.compile(ours, backend="opfuse")(x)
+    (out * weight).sum().backward()
+    for (name, a), b in zip(ref.named_parameters(), ours.parameters()):
+        assert b.grad is not None, name
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_embedding_backward_accumulates_into_its_zeros_in_place() -> None:
     # AOTAutograd's embedding backward is zeros + a functional index_put, which copies the
     # zeros (the whole vocabulary's gradient). The zeros die there: index_put_ writes into
