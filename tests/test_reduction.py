@@ -186,6 +186,27 @@ def test_channels_last_statistics_use_columns() -> None:
     one_kernel(fn, x)
 
 
+@pytest.mark.parametrize("side", [32, 30])
+@pytest.mark.parametrize("reduce", [True, False])
+def test_lanes_one_cache_set_apart_run_one_element_at_a_time(side: int, reduce: bool) -> None:
+    # channels-last `a` puts the lanes on channels; NCHW `b` is then read 4 KiB apart per
+    # lane when its plane is 32x32: a vector gather would take 16 lines from one L1 set
+    # (measured 30x slower at 8x32x64x64). A 30x30 plane is read vectorised.
+    a = torch.randn(2, 16, side, side).to(memory_format=torch.channels_last)
+    b = torch.randn(2, 16, side, side)
+
+    def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        y = a * torch.sigmoid(b)
+        return y.sum((2, 3)) if reduce else y
+
+    src = source(fn, a, b)
+    scalar = side == 32
+    assert ("OPFUSE_SCALAR int" in src) == scalar
+    assert ("#pragma omp simd" in src or "for simd" in src) != scalar
+    m = Fn(fn).eval()
+    assert_matches_eager(m, opfuse.compile(m, (a, b))(a, b), (a, b))
+
+
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_batchnorm_statistics_channels_last_split_across_threads(threads: int) -> None:
     # 64 channels are one block of lanes: the threads share the 25088 rows, merge their

@@ -26,7 +26,7 @@ def _header(name: str, k: Kernel) -> list[str]:
     return [
         f"/* {k.name}: {ops}",
         f" * schedule {k.schedule}; reads {k.bytes_read} bytes, writes {k.bytes_written} bytes */",
-        f"int {name}(void *const *args, int nthreads) {{",
+        f"{'' if k.vectorize else 'OPFUSE_SCALAR '}int {name}(void *const *args, int nthreads) {{",
     ]
 
 
@@ -52,7 +52,21 @@ def render_kernel(name: str, k: Kernel) -> str:
         split(k, lines)
     lines.append("  return err;")
     lines.append("}")
+    if not k.vectorize:
+        lines = _scalar(lines)
     return "\n".join(lines) + "\n"
+
+
+def _scalar(lines: list[str]) -> list[str]:
+    """The same kernel without vector loops: no simd constructs (and OPFUSE_SCALAR in the
+    header keeps gcc from vectorising it on its own)."""
+    out = []
+    for line in lines:
+        code = line.strip()
+        if code.startswith("#pragma omp simd"):
+            continue
+        out.append(line.replace("parallel for simd ", "parallel for "))
+    return out
 
 
 def _pointwise(k: Kernel, lines: list[str]) -> None:
