@@ -98,9 +98,6 @@ class Kernel:
     # (output, input) buffer pairs that may share memory: every read of the input element
     # comes before the write of the output element at the same place (softmax, relu(x)).
     inplace: tuple[tuple[str, str], ...] = ()
-    # False: the lanes of a vector would gather from one cache set (schedule.py): run the
-    # innermost loop one element at a time.
-    vectorize: bool = True
     notes: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property

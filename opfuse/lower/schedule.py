@@ -78,32 +78,7 @@ def finalize(k: Kernel) -> Kernel:
     k2 = replace(map_indices(k, fix), outer=tuple(new_outer), inner=tuple(new_inner))
     k2 = replace(k2, schedule=_choose(k2))
     k2 = _variance_algorithm(k2)
-    return replace(k2, inplace=_inplace_pairs(k2), vectorize=not _one_set_gather(k2))
-
-
-# Addresses a multiple of this apart share an L1 set (x86: 64 sets of 64-byte lines).
-CACHE_SET_PERIOD = 4096
-SET_WAYS = 12
-
-
-def _one_set_gather(k: Kernel) -> bool:
-    """Would a vector of the innermost loop gather (or scatter) more lines than an L1 set
-    holds, all from one set? That happens when an access strides a multiple of 4 KiB per
-    lane: a channels-last tensor read next to an NCHW one with a 64x64 plane (16 KiB per
-    channel). Measured, 8x32x64x64: sum((a * sigmoid(b) * b), (2, 3)) 84 ms vectorised, 2.9
-    ms one element at a time (60x60 planes, vectorised: 3.2 ms)."""
-    if k.schedule in ("pointwise", "columns", "columns_split"):
-        lane = k.outer[-1] if k.outer else None
-    else:
-        lane = k.inner[-1] if k.inner else None
-    if lane is None or lane.extent <= SET_WAYS:
-        return False
-    size = {b.name: b.dtype.itemsize for b in k.buffers}
-    for buf, ix in accesses(k):
-        step = abs(ix.coef(lane)) * size.get(buf, 0)
-        if step and step % CACHE_SET_PERIOD == 0:
-            return True
-    return False
+    return replace(k2, inplace=_inplace_pairs(k2))
 
 
 def _inplace_pairs(k: Kernel) -> tuple[tuple[str, str], ...]:

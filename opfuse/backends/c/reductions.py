@@ -15,12 +15,15 @@ from ...lower.kernel import Accumulate, Kernel, Pass
 from ...lower.schedule import COLUMN_LANES
 from .emit import (
     _INT_LIMITS,
+    STORAGE,
     VALUE,
     Emitter,
     emit_stores,
     for_loop,
+    gathered,
     index,
     invariant,
+    simd_loop,
 )
 
 LANES = 16  # accumulator lanes per reduction: one 512-bit register of float32
@@ -217,19 +220,21 @@ def _pass_body(
     last = inner[-1]
     start, stop = ("lo", "hi") if split and len(inner) == 1 else ("0", str(last.extent))
     if not accs:
-        lines.append(f"{ind}#pragma omp simd")
-        lines.append(
-            f"{ind}for (int64_t {last.name} = {start}; {last.name} < {stop}; {last.name}++) {{"
+        simd_loop(
+            em,
+            [s.value for s in p.stores],
+            last.name,
+            (start, stop),
+            "simd",
+            lines,
+            ind,
+            lambda body: emit_stores(em, p.stores, lines, body),
         )
-        em.scopes.append({})
-        emit_stores(em, p.stores, lines, ind + "  ")
-        em.scopes.pop()
-        lines.append(f"{ind}}}")
     else:
         b = f"{last.name}_b{number}"
         lines.append(f"{ind}int64_t {b} = {start};")
         lines.append(f"{ind}for (; {b} + {lanes} <= {stop}; {b} += {lanes}) {{")
-        _lane_loop(em, p, lines, ind + "  ", str(lanes), f"const int64_t {last.name} = {b} + l;")
+        _lane_loop(em, p, lines, ind + "  ", str(lanes), (last.name, f"{b} + l"), lanes)
         lines.append(f"{ind}}}")
         lines.append(
             f"{ind}for (int64_t {last.name} = {b}; {last.name} < {stop}; {last.name}++) {{"
@@ -269,7 +274,9 @@ def _reduction_clause_pass(
     hoisted = invariant([*(a.value for a in p.accumulates), *(s.value for s in p.stores)], inner)
     em.emit(hoisted, lines, indent)
 
-    def loop(clause: str, body_fn: Any, runs: Sequence[Accumulate] = ()) -> None:
+    def loop(
+        clause: str, body_fn: Any, roots: Sequence[Expr], runs: Sequence[Accumulate] = ()
+    ) -> None:
         ind = indent
         for i, v in enumerate(inner[:-1]):
             lo, hi = ("lo", "hi") if split and i == 0 else ("0", str(v.extent))
@@ -289,12 +296,7 @@ def _reduction_clause_pass(
             for a in runs:
                 lines.append(f"{ind}{VALUE[a.value.dtype]} {a.name}_run = 0;")
             start, stop = f"{r}_run", f"{r}_end"
-        lines.append(f"{ind}#pragma omp simd {clause}")
-        lines.append(f"{ind}for (int64_t {r} = {start}; {r} < {stop}; {r}++) {{")
-        em.scopes.append({})
-        body_fn(ind + "  ")
-        em.scopes.pop()
-        lines.append(f"{ind}}}")
+        simd_loop(em, roots, r, (start, stop), f"simd {clause}", lines, ind, body_fn)
         if runs:
             for a in runs:
                 lines.append(f"{ind}{a.name}_value += {a.name}_run;")
@@ -330,7 +332,9 @@ def _reduction_clause_pass(
             lines.append(f"{body}  {a.name}_m2 += d * d; }}")
         emit_stores(em, p.stores, lines, body)
 
-    loop(" ".join(clauses), first, [a for a in p.accumulates if a.block])
+    stored = [s.value for s in p.stores]
+    roots = [a.value for a in p.accumulates] + ([] if welford else stored)
+    loop(" ".join(clauses), first, roots, [a for a in p.accumulates if a.block])
     count = 1
     for v in inner:
         count *= v.extent
@@ -343,20 +347,37 @@ def _reduction_clause_pass(
                 f"{indent}const {t} {a.name}_cnt = {count}, {a.name}_mean = {a.name}_sum / {count};"
             )
     if welford:
-        loop(" ".join(f"reduction(+:{a.name}_m2)" for a in welford), second)
+        clause = " ".join(f"reduction(+:{a.name}_m2)" for a in welford)
+        loop(clause, second, [a.value for a in welford] + stored)
 
 
-def _lane_loop(em: Emitter, p: Pass, lines: list[str], ind: str, count: str, lane: str) -> None:
+def _lane_loop(
+    em: Emitter, p: Pass, lines: list[str], ind: str, count: str, lane: tuple[str, str], size: int
+) -> None:
     """One step of every lane: Welford counts first (shared by the lanes), then a simd loop
-    over the lanes whose body starts with `lane` (the lane's position)."""
+    over the (at most `size`) lanes whose body starts by setting lane[0] to lane[1]. Operands
+    the lanes would gather are copied into contiguous arrays first (see emit.simd_loop)."""
     for a in p.accumulates:
         if a.combine == "welford":
             t = VALUE[a.acc_dtype]
             lines.append(f"{ind}{a.name}_n += 1; const {t} {a.name}_inv = 1 / {a.name}_n;")
+    var, pos = lane
+    position = f"const int64_t {var} = {pos};"
+    staged = gathered([*(a.value for a in p.accumulates), *(s.value for s in p.stores)], var)
+    names = [f"{var}_s{j}" for j in range(len(staged))]
+    if staged:
+        for name, ld in zip(names, staged):
+            lines.append(f"{ind}{STORAGE[ld.dtype]} {name}[{size}];")
+        lines.append(f"{ind}#pragma omp simd")
+        lines.append(f"{ind}for (int l = 0; l < {count}; l++) {{")
+        lines.append(f"{ind}  {position}")
+        for name, ld in zip(names, staged):
+            lines.append(f"{ind}  {name}[l] = {em.text(ld)};")
+        lines.append(f"{ind}}}")
     lines.append(f"{ind}#pragma omp simd")
     lines.append(f"{ind}for (int l = 0; l < {count}; l++) {{")
-    lines.append(f"{ind}  {lane}")
-    em.scopes.append({})
+    lines.append(f"{ind}  {position}")
+    em.scopes.append({ld: f"{name}[l]" for name, ld in zip(names, staged)})
     _accumulate(em, p, lines, ind + "  ", "l", tail=False)
     em.scopes.pop()
     lines.append(f"{ind}}}")
@@ -488,7 +509,7 @@ def columns(k: Kernel, lines: list[str], split: bool = False) -> None:
     indent += "  "
     left = f"{vec.extent} - {blk} * {COLUMN_LANES}"
     lines.append(f"{indent}const int64_t nl = {left} < {COLUMN_LANES} ? {left} : {COLUMN_LANES};")
-    lane = f"const int64_t {vec.name} = {vec.name}_blk * {COLUMN_LANES} + l;"
+    lane = (vec.name, f"{vec.name}_blk * {COLUMN_LANES} + l")
     em = Emitter([{}], [0])
     for p in k.passes:
         _declare_lanes(p.accumulates, lines, indent, COLUMN_LANES)
@@ -497,7 +518,7 @@ def columns(k: Kernel, lines: list[str], split: bool = False) -> None:
             lo, hi = ("lo", "hi") if split and i == 0 else ("0", str(v.extent))
             lines.append(f"{ind}for (int64_t {v.name} = {lo}; {v.name} < {hi}; {v.name}++) {{")
             ind += "  "
-        _lane_loop(em, p, lines, ind, "nl", lane)
+        _lane_loop(em, p, lines, ind, "nl", lane, COLUMN_LANES)
         for _ in k.inner:
             ind = ind[:-2]
             lines.append(f"{ind}}}")
@@ -516,7 +537,7 @@ def columns(k: Kernel, lines: list[str], split: bool = False) -> None:
                 ind += "  "
             lines.append(f"{ind}#pragma omp simd")
             lines.append(f"{ind}for (int l = 0; l < nl; l++) {{")
-            lines.append(f"{ind}  {lane}")
+            lines.append(f"{ind}  const int64_t {lane[0]} = {lane[1]};")
             em.scopes.append({})
             emit_stores(em, p.after, lines, ind + "  ")
             em.scopes.pop()

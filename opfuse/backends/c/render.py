@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...lower.kernel import Kernel
-from .emit import STORAGE, Emitter, emit_checks, emit_stores, for_loop, invariant
+from .emit import STORAGE, Emitter, emit_checks, emit_stores, for_loop, invariant, simd_loop
 from .reductions import columns, rows, split
 
 
@@ -26,7 +26,7 @@ def _header(name: str, k: Kernel) -> list[str]:
     return [
         f"/* {k.name}: {ops}",
         f" * schedule {k.schedule}; reads {k.bytes_read} bytes, writes {k.bytes_written} bytes */",
-        f"{'' if k.vectorize else 'OPFUSE_SCALAR '}int {name}(void *const *args, int nthreads) {{",
+        f"int {name}(void *const *args, int nthreads) {{",
     ]
 
 
@@ -52,21 +52,7 @@ def render_kernel(name: str, k: Kernel) -> str:
         split(k, lines)
     lines.append("  return err;")
     lines.append("}")
-    if not k.vectorize:
-        lines = _scalar(lines)
     return "\n".join(lines) + "\n"
-
-
-def _scalar(lines: list[str]) -> list[str]:
-    """The same kernel without vector loops: no simd constructs (and OPFUSE_SCALAR in the
-    header keeps gcc from vectorising it on its own)."""
-    out = []
-    for line in lines:
-        code = line.strip()
-        if code.startswith("#pragma omp simd"):
-            continue
-        out.append(line.replace("parallel for simd ", "parallel for "))
-    return out
 
 
 def _pointwise(k: Kernel, lines: list[str]) -> None:
@@ -86,18 +72,29 @@ def _pointwise(k: Kernel, lines: list[str]) -> None:
     elif k.parallel:
         lines.append(f"  #pragma omp parallel for collapse({len(k.outer) - 1}) {par}")
     indent = "  "
-    for i, v in enumerate(k.outer):
-        if i == len(k.outer) - 1 and len(k.outer) > 1:
-            # what the vector loop does not change is computed before it
-            em.scopes.append({})
-            em.emit(invariant([s.value for s in p.stores], [v]), lines, indent)
-            lines.append(f"{indent}#pragma omp simd{red}")
-        lines.append(for_loop(v, indent))
+
+    def body(ind: str) -> None:
+        emit_stores(em, p.stores, lines, ind)
+        emit_checks(em, k, lines, ind)
+
+    if len(k.outer) == 1:
+        lines.append(for_loop(k.outer[0], indent))
+        em.scopes.append({})
+        body(indent + "  ")
+        lines.append(f"{indent}}}")
+        return
+    *rest, v = k.outer
+    for u in rest:
+        lines.append(for_loop(u, indent))
         indent += "  "
+    # what the vector loop does not change is computed before it
     em.scopes.append({})
-    emit_stores(em, p.stores, lines, indent)
-    emit_checks(em, k, lines, indent)
-    for _ in k.outer:
+    roots = [s.value for s in p.stores]
+    em.emit(invariant(roots, [v]), lines, indent)
+    simd_loop(
+        em, [*roots, *k.checks], v.name, ("0", str(v.extent)), f"simd{red}", lines, indent, body
+    )
+    for _ in rest:
         indent = indent[:-2]
         lines.append(f"{indent}}}")
 
