@@ -339,3 +339,33 @@ def test_fx_layout_relays_convolution_inputs_only() -> None:
     # no convolution: nothing to do
     lin = torch.fx.symbolic_trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
     assert channels_last_convolutions(lin) is None
+
+
+class _GroupNormResBlock(nn.Module):
+    """A diffusion-UNet block: GroupNorm, SiLU, conv, a broadcast time embedding. Under
+    torch.compile the convs run channels-last and GroupNorm reshapes to NCHW, so the
+    backward kernels read both layouts (32x32 planes: lanes 4 KiB apart)."""
+
+    def __init__(self, c: int = 32) -> None:
+        super().__init__()
+        self.n1, self.c1 = nn.GroupNorm(8, c), nn.Conv2d(c, c, 3, padding=1)
+        self.t = nn.Linear(16, c)
+        self.n2, self.c2 = nn.GroupNorm(8, c), nn.Conv2d(c, c, 3, padding=1)
+
+    def forward(self, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        h = self.c1(nn.functional.silu(self.n1(x))) + self.t(temb)[:, :, None, None]
+        return x + self.c2(nn.functional.mish(self.n2(h)))
+
+
+def test_mixed_layout_training_matches_eager() -> None:
+    torch.manual_seed(0)
+    ref = _GroupNormResBlock().train()
+    ours, ref64 = copy.deepcopy(ref), copy.deepcopy(ref).double()
+    x, temb = torch.randn(2, 32, 32, 32), torch.randn(2, 16)
+    for m, args in ((ref, (x, temb)), (ref64, (x.double(), temb.double()))):
+        m(*args).square().mean().backward()
+    torch._dynamo.reset()
+    torch.compile(ours, backend="opfuse")(x, temb).square().mean().backward()
+    for (name, a), b, c in zip(ref.named_parameters(), ours.parameters(), ref64.parameters()):
+        assert b.grad is not None and a.grad is not None and c.grad is not None, name
+        assert_no_worse(b.grad, a.grad, c.grad, name)
