@@ -215,6 +215,31 @@ def _gathers(ix: Ix, lane: str) -> bool:
     return False
 
 
+def stage(
+    em: Emitter,
+    loads: Sequence[Expr],
+    var: str,
+    loop: tuple[str, str | None, str, int],
+    lines: list[str],
+    indent: str,
+) -> dict[Expr, str]:
+    """Copy `loads` into contiguous stack arrays in a vector loop of their own: `loop` is
+    (its header, a first statement of its body or None, the array slot of an iteration,
+    the most iterations). Returns where the vector loop that follows finds each value."""
+    header, first, slot, size = loop
+    names = [f"{var}_s{j}" for j in range(len(loads))]
+    for name, ld in zip(names, loads):
+        lines.append(f"{indent}{STORAGE[ld.dtype]} {name}[{size}];")
+    lines.append(f"{indent}#pragma omp simd")
+    lines.append(f"{indent}{header}")
+    if first is not None:
+        lines.append(f"{indent}  {first}")
+    for name, ld in zip(names, loads):
+        lines.append(f"{indent}  {name}[{slot}] = {em.text(ld)};")
+    lines.append(f"{indent}}}")
+    return {ld: f"{name}[{slot}]" for name, ld in zip(names, loads)}
+
+
 def simd_loop(
     em: Emitter,
     roots: Sequence[Expr],
@@ -245,17 +270,11 @@ def simd_loop(
     lines.append(f"{indent}for (int64_t {c} = {start}; {c} < {stop}; {c} += {STAGE}) {{")
     ind = indent + "  "
     lines.append(f"{ind}const int64_t {e} = {c} + {STAGE} < {stop} ? {c} + {STAGE} : {stop};")
-    names = [f"{var}_s{j}" for j in range(len(staged))]
-    for name, ld in zip(names, staged):
-        lines.append(f"{ind}{STORAGE[ld.dtype]} {name}[{STAGE}];")
-    lines.append(f"{ind}#pragma omp simd")
-    lines.append(f"{ind}for (int64_t {var} = {c}; {var} < {e}; {var}++) {{")
-    for name, ld in zip(names, staged):
-        lines.append(f"{ind}  {name}[{var} - {c}] = {em.text(ld)};")
-    lines.append(f"{ind}}}")
+    header = f"for (int64_t {var} = {c}; {var} < {e}; {var}++) {{"
+    bound = stage(em, staged, var, (header, None, f"{var} - {c}", STAGE), lines, ind)
     lines.append(f"{ind}#pragma omp {pragma}")
-    lines.append(f"{ind}for (int64_t {var} = {c}; {var} < {e}; {var}++) {{")
-    em.scopes.append({ld: f"{name}[{var} - {c}]" for name, ld in zip(names, staged)})
+    lines.append(f"{ind}{header}")
+    em.scopes.append(bound)
     body(ind + "  ")
     em.scopes.pop()
     lines.append(f"{ind}}}")

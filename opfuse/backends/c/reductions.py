@@ -15,7 +15,6 @@ from ...lower.kernel import Accumulate, Kernel, Pass
 from ...lower.schedule import COLUMN_LANES
 from .emit import (
     _INT_LIMITS,
-    STORAGE,
     VALUE,
     Emitter,
     emit_stores,
@@ -24,6 +23,7 @@ from .emit import (
     index,
     invariant,
     simd_loop,
+    stage,
 )
 
 LANES = 16  # accumulator lanes per reduction: one 512-bit register of float32
@@ -362,22 +362,13 @@ def _lane_loop(
             t = VALUE[a.acc_dtype]
             lines.append(f"{ind}{a.name}_n += 1; const {t} {a.name}_inv = 1 / {a.name}_n;")
     var, pos = lane
-    position = f"const int64_t {var} = {pos};"
+    header, position = f"for (int l = 0; l < {count}; l++) {{", f"const int64_t {var} = {pos};"
     staged = gathered([*(a.value for a in p.accumulates), *(s.value for s in p.stores)], var)
-    names = [f"{var}_s{j}" for j in range(len(staged))]
-    if staged:
-        for name, ld in zip(names, staged):
-            lines.append(f"{ind}{STORAGE[ld.dtype]} {name}[{size}];")
-        lines.append(f"{ind}#pragma omp simd")
-        lines.append(f"{ind}for (int l = 0; l < {count}; l++) {{")
-        lines.append(f"{ind}  {position}")
-        for name, ld in zip(names, staged):
-            lines.append(f"{ind}  {name}[l] = {em.text(ld)};")
-        lines.append(f"{ind}}}")
+    bound = stage(em, staged, var, (header, position, "l", size), lines, ind) if staged else {}
     lines.append(f"{ind}#pragma omp simd")
-    lines.append(f"{ind}for (int l = 0; l < {count}; l++) {{")
+    lines.append(f"{ind}{header}")
     lines.append(f"{ind}  {position}")
-    em.scopes.append({ld: f"{name}[l]" for name, ld in zip(names, staged)})
+    em.scopes.append(bound)
     _accumulate(em, p, lines, ind + "  ", "l", tail=False)
     em.scopes.pop()
     lines.append(f"{ind}}}")
