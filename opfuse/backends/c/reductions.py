@@ -296,7 +296,9 @@ def _reduction_clause_pass(
             for a in runs:
                 lines.append(f"{ind}{VALUE[a.value.dtype]} {a.name}_run = 0;")
             start, stop = f"{r}_run", f"{r}_end"
-        simd_loop(em, roots, r, (start, stop), f"simd {clause}", lines, ind, body_fn)
+        # Only a run (of known length) is staged: see simd_loop's `span`.
+        staged_roots, span = (roots, runs[0].block) if runs else ([], None)
+        simd_loop(em, staged_roots, r, (start, stop), f"simd {clause}", lines, ind, body_fn, span)
         if runs:
             for a in runs:
                 lines.append(f"{ind}{a.name}_value += {a.name}_run;")
