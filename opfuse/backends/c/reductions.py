@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ...ir.index import Var
-from ...ir.scalar import Expr
+from ...ir.scalar import Expr, walk
 from ...lower.kernel import Accumulate, Kernel, Pass
 from ...lower.schedule import COLUMN_LANES
 from .emit import (
@@ -213,13 +213,20 @@ def _pass_body(
     hoisted = invariant([*(a.value for a in accs), *(s.value for s in p.stores)], inner)
     em.emit(hoisted, lines, indent)
     ind = indent
-    for i, v in enumerate(inner[:-1]):
+    last = inner[-1]
+    # A last loop shorter than the lanes (GroupNorm over channels-last input: the 4
+    # channels of a group) would leave every element to the scalar tail: the lanes then
+    # run over the last two loops flattened.
+    fold = bool(accs) and len(inner) >= 2 and last.extent < lanes // 4
+    loops = inner[:-2] if fold else inner[:-1]
+    for i, v in enumerate(loops):
         lo, hi = ("lo", "hi") if split and i == 0 else ("0", str(v.extent))
         lines.append(f"{ind}for (int64_t {v.name} = {lo}; {v.name} < {hi}; {v.name}++) {{")
         ind += "  "
-    last = inner[-1]
     start, stop = ("lo", "hi") if split and len(inner) == 1 else ("0", str(last.extent))
-    if not accs:
+    if fold:
+        _folded_lanes(em, p, inner[-2], last, split and len(inner) == 2, lines, ind, number)
+    elif not accs:
         simd_loop(
             em,
             [s.value for s in p.stores],
@@ -234,7 +241,7 @@ def _pass_body(
         b = f"{last.name}_b{number}"
         lines.append(f"{ind}int64_t {b} = {start};")
         lines.append(f"{ind}for (; {b} + {lanes} <= {stop}; {b} += {lanes}) {{")
-        _lane_loop(em, p, lines, ind + "  ", str(lanes), (last.name, f"{b} + l"), lanes)
+        _lane_loop(em, p, lines, ind + "  ", str(lanes), [(last.name, f"{b} + l")], lanes)
         lines.append(f"{ind}}}")
         lines.append(
             f"{ind}for (int64_t {last.name} = {b}; {last.name} < {stop}; {last.name}++) {{"
@@ -243,9 +250,32 @@ def _pass_body(
         _accumulate(em, p, lines, ind + "  ", "0", tail=True)
         em.scopes.pop()
         lines.append(f"{ind}}}")
-    for _ in inner[:-1]:
+    for _ in loops:
         ind = ind[:-2]
         lines.append(f"{ind}}}")
+
+
+def _folded_lanes(
+    em: Emitter, p: Pass, outer: Var, last: Var, sliced: bool, lines: list[str], ind: str, n: int
+) -> None:
+    """The lane loop over `outer` x `last` flattened (`outer` over this thread's [lo, hi)
+    when `sliced`); the tail runs the leftover flat positions one at a time."""
+    lanes = lanes_for(p.accumulates)
+    start, stop = ("lo", "hi") if sliced else ("0", str(outer.extent))
+    q, count, e = f"{last.name}_q{n}", f"{last.name}_n{n}", last.extent
+    lines.append(f"{ind}const int64_t {count} = ({stop} - {start}) * {e};")
+    lines.append(f"{ind}int64_t {q} = 0;")
+    lines.append(f"{ind}for (; {q} + {lanes} <= {count}; {q} += {lanes}) {{")
+    flat = f"({q} + l)"
+    lane = [(outer.name, f"{start} + {flat} / {e}"), (last.name, f"{flat} % {e}")]
+    _lane_loop(em, p, lines, ind + "  ", str(lanes), lane, lanes)
+    lines.append(f"{ind}}}")
+    lines.append(f"{ind}for (int64_t t = {q}; t < {count}; t++) {{")
+    lines.append(f"{ind}  const int64_t {outer.name} = {start} + t / {e}, {last.name} = t % {e};")
+    em.scopes.append({})
+    _accumulate(em, p, lines, ind + "  ", "0", tail=True)
+    em.scopes.pop()
+    lines.append(f"{ind}}}")
 
 
 def _reduction_clause_pass(
@@ -354,18 +384,36 @@ def _reduction_clause_pass(
 
 
 def _lane_loop(
-    em: Emitter, p: Pass, lines: list[str], ind: str, count: str, lane: tuple[str, str], size: int
+    em: Emitter,
+    p: Pass,
+    lines: list[str],
+    ind: str,
+    count: str,
+    lane: Sequence[tuple[str, str]],
+    size: int,
 ) -> None:
     """One step of every lane: Welford counts first (shared by the lanes), then a simd loop
-    over the (at most `size`) lanes whose body starts by setting lane[0] to lane[1]. Operands
-    the lanes would gather are copied into contiguous arrays first (see emit.simd_loop)."""
+    over the (at most `size`) lanes whose body starts by setting each (variable, position)
+    of `lane`. Operands the lanes would gather are copied into contiguous arrays first (see
+    emit.simd_loop); with two lane variables (folded loops) that is every operand read
+    through them."""
     for a in p.accumulates:
         if a.combine == "welford":
             t = VALUE[a.acc_dtype]
             lines.append(f"{ind}{a.name}_n += 1; const {t} {a.name}_inv = 1 / {a.name}_n;")
-    var, pos = lane
-    header, position = f"for (int l = 0; l < {count}; l++) {{", f"const int64_t {var} = {pos};"
-    staged = gathered([*(a.value for a in p.accumulates), *(s.value for s in p.stores)], var)
+    var = lane[-1][0]
+    header = f"for (int l = 0; l < {count}; l++) {{"
+    position = "const int64_t " + ", ".join(f"{v} = {pos}" for v, pos in lane) + ";"
+    roots = [*(a.value for a in p.accumulates), *(s.value for s in p.stores)]
+    if len(lane) == 1:
+        staged = gathered(roots, var)
+    else:
+        names = {v for v, _ in lane}
+        staged = [
+            e
+            for e in walk(roots)
+            if e.op == "load" and names & {v.name for v in e.value[1].variables()}
+        ]
     bound = stage(em, staged, var, (header, position, "l", size), lines, ind) if staged else {}
     lines.append(f"{ind}#pragma omp simd")
     lines.append(f"{ind}{header}")
@@ -502,7 +550,7 @@ def columns(k: Kernel, lines: list[str], split: bool = False) -> None:
     indent += "  "
     left = f"{vec.extent} - {blk} * {COLUMN_LANES}"
     lines.append(f"{indent}const int64_t nl = {left} < {COLUMN_LANES} ? {left} : {COLUMN_LANES};")
-    lane = (vec.name, f"{vec.name}_blk * {COLUMN_LANES} + l")
+    lane = [(vec.name, f"{vec.name}_blk * {COLUMN_LANES} + l")]
     em = Emitter([{}], [0])
     for p in k.passes:
         _declare_lanes(p.accumulates, lines, indent, COLUMN_LANES)
@@ -530,7 +578,7 @@ def columns(k: Kernel, lines: list[str], split: bool = False) -> None:
                 ind += "  "
             lines.append(f"{ind}#pragma omp simd")
             lines.append(f"{ind}for (int l = 0; l < nl; l++) {{")
-            lines.append(f"{ind}  const int64_t {lane[0]} = {lane[1]};")
+            lines.append(f"{ind}  const int64_t {lane[0][0]} = {lane[0][1]};")
             em.scopes.append({})
             emit_stores(em, p.after, lines, ind + "  ")
             em.scopes.pop()
