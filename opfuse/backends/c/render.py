@@ -1,6 +1,7 @@
 """Kernel -> C source with OpenMP. Formatting only: every semantic choice was made in
 lowering; formulas come from the primitive table (ir.scalar.PRIMS) and conversions from
-emit.py. Reduction schedules (rows, split, columns, columns_split) are in reductions.py.
+emit.py. Reduction schedules: rows and split in reductions.py, columns and columns_split in
+columns.py.
 
 Each kernel becomes `int NAME(void *const *args, int nthreads)` returning 0, or 1 when an
 integer division by zero happened (torch raises ZeroDivisionError there).
@@ -11,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...lower.kernel import Kernel
+from .columns import columns
 from .emit import STORAGE, Emitter, emit_checks, emit_stores, for_loop, invariant, simd_loop
-from .reductions import columns, rows, split
+from .reductions import rows, split
 
 
 def render_module(kernels: Sequence[tuple[str, Kernel]]) -> str:
