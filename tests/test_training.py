@@ -199,6 +199,10 @@ DDP_WORKER = textwrap.dedent(
         torch.save({"losses": losses, "params": [p.detach() for p in model.parameters()]},
                    sys.argv[3])
     dist.destroy_process_group()
+    # Skip interpreter teardown: once in ~16 CI runs a worker died with "terminate called
+    # without an active exception" and no Python error (a C++ thread torn down at exit,
+    # by all signs); a failure before this line still fails the test.
+    sys.stdout.flush(); os._exit(0)
     """
 )
 
