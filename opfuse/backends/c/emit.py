@@ -199,20 +199,24 @@ def invariant(roots: Sequence[Expr], loops: Sequence[Var]) -> list[Expr]:
 STAGE = 256
 
 
-def gathered(roots: Sequence[Expr], lane: str) -> list[Expr]:
-    """Loads whose address moves by other than one element per step of `lane`: a vector
-    loop would gather them, lane by lane."""
-    return [e for e in walk(list(roots)) if e.op == "load" and _gathers(e.value[1], lane)]
+def gathered(roots: Sequence[Expr], lanes: Sequence[str]) -> list[Expr]:
+    """Loads a vector loop over `lanes` would gather, lane by lane: with one lane variable,
+    those whose address moves by other than one element per step; with several (loops
+    flattened into the lanes), every load that reads through any of them."""
+    names = set(lanes)
 
-
-def _gathers(ix: Ix, lane: str) -> bool:
-    for atom, c in ix.terms:
-        if isinstance(atom, Var):
-            if atom.name == lane and c != 1:
+    def moves(ix: Ix) -> bool:
+        if len(names) > 1:
+            return bool(names & {v.name for v in ix.variables()})
+        for atom, c in ix.terms:
+            if isinstance(atom, Var):
+                if atom.name in names and c != 1:
+                    return True
+            elif names & {v.name for v in atom.x.variables()}:
                 return True
-        elif lane in {v.name for v in atom.x.variables()}:
-            return True
-    return False
+        return False
+
+    return [e for e in walk(list(roots)) if e.op == "load" and moves(e.value[1])]
 
 
 def stage(
@@ -262,29 +266,23 @@ def simd_loop(
     chunk loop, and its float32 runs then sum one element after another (measured on a
     BatchNorm backward: 16 ulps off instead of 2)."""
     start, stop = bounds
-    staged = gathered(roots, var)
-    if not staged:
-        lines.append(f"{indent}#pragma omp {pragma}")
-        lines.append(f"{indent}for (int64_t {var} = {start}; {var} < {stop}; {var}++) {{")
-        em.scopes.append({})
-        body(indent + "  ")
-        em.scopes.pop()
-        lines.append(f"{indent}}}")
-        return
-    ind, c, size = indent, start, span or STAGE
-    if span is None:
+    staged = gathered(roots, [var])
+    chunked = bool(staged) and span is None
+    ind, c, bound = indent, start, {}
+    if chunked:
         c, e = f"{var}_c", f"{var}_e"
         lines.append(f"{indent}for (int64_t {c} = {start}; {c} < {stop}; {c} += {STAGE}) {{")
         ind = indent + "  "
         lines.append(f"{ind}const int64_t {e} = {c} + {STAGE} < {stop} ? {c} + {STAGE} : {stop};")
         stop = e
     header = f"for (int64_t {var} = {c}; {var} < {stop}; {var}++) {{"
-    bound = stage(em, staged, var, (header, None, f"{var} - {c}", size), lines, ind)
+    if staged:
+        bound = stage(em, staged, var, (header, None, f"{var} - {c}", span or STAGE), lines, ind)
     lines.append(f"{ind}#pragma omp {pragma}")
     lines.append(f"{ind}{header}")
     em.scopes.append(bound)
     body(ind + "  ")
     em.scopes.pop()
     lines.append(f"{ind}}}")
-    if span is None:
+    if chunked:
         lines.append(f"{indent}}}")

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ...ir.index import Var
-from ...ir.scalar import Expr, walk
+from ...ir.scalar import Expr
 from ...lower.kernel import Accumulate, Kernel, Pass
 from .emit import (
     _INT_LIMITS,
@@ -404,15 +404,7 @@ def _lane_loop(
     header = f"for (int l = 0; l < {count}; l++) {{"
     position = "const int64_t " + ", ".join(f"{v} = {pos}" for v, pos in lane) + ";"
     roots = [*(a.value for a in p.accumulates), *(s.value for s in p.stores)]
-    if len(lane) == 1:
-        staged = gathered(roots, var)
-    else:
-        names = {v for v, _ in lane}
-        staged = [
-            e
-            for e in walk(roots)
-            if e.op == "load" and names & {v.name for v in e.value[1].variables()}
-        ]
+    staged = gathered(roots, [v for v, _ in lane])
     bound = stage(em, staged, var, (header, position, "l", size), lines, ind) if staged else {}
     lines.append(f"{ind}#pragma omp simd")
     lines.append(f"{ind}{header}")
