@@ -117,3 +117,17 @@ def test_decisions_of_an_older_tuner_are_not_reused(monkeypatch: pytest.MonkeyPa
     key = autotune.decision_key(["group", "shapes"])
     monkeypatch.setattr(autotune, "TUNER_VERSION", autotune.TUNER_VERSION + "-next")
     assert autotune.decision_key(["group", "shapes"]) != key
+
+
+def test_an_unfused_candidate_must_win_by_a_margin() -> None:
+    # Timed alone an unfused call keeps its intermediate in cache; in a model it does not.
+    close = {"unfused": 0.0100, "onednn": 0.0105, "torch": 0.0090}
+    assert autotune.pick(close) == "torch"  # no intermediate either way: fastest wins
+    close = {"unfused": 0.0100, "onednn": 0.0105, "blocked": 0.0120}
+    assert autotune.pick(close) == "onednn"
+    d = autotune.Decision(autotune.pick(close), close)
+    assert "fused kept: within 10% of the unfused call" in d.describe()
+    far = {"unfused": 0.0100, "onednn": 0.0115}
+    assert autotune.pick(far) == "unfused"
+    assert "fused kept" not in autotune.Decision("unfused", far).describe()
+    assert autotune.pick({"mkl-unfused": 0.01}) == "mkl-unfused"

@@ -152,6 +152,11 @@ def test_half_sums_accumulate_in_float(dtype: torch.dtype) -> None:
     assert ((out.double() - exact).abs() / exact).max() < 1e-2
 
 
+def _widened_with_column_sums(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    y = a.unsqueeze(1).expand(a.shape[0], 8, a.shape[1]).reshape(a.shape[0], 8 * a.shape[1]) * 2
+    return y, y.sum(0)
+
+
 def _bn_channels_last(a: torch.Tensor) -> torch.Tensor:
     v, m = torch.var_mean(a, (0, 2, 3), keepdim=True, correction=0)
     return ((a - m) * torch.rsqrt(v + 1e-5)).relu().contiguous(memory_format=torch.channels_last)
@@ -174,6 +179,9 @@ def _bn_channels_last(a: torch.Tensor) -> torch.Tensor:
         (lambda a: a.amin(0), (20000, 5), "columns_split"),
         (lambda a: torch.var_mean(a + 1e4, 0), (9000, 33), "columns_split"),
         (lambda a: (a > 0).any(0), (20000, 7), "columns_split"),
+        # the output it writes is the biggest stream, not its input (a QKV bias gradient
+        # summed over the gradient it writes out): lanes along the output's rows
+        (_widened_with_column_sums, (4096, 64), "columns_split"),
         # normalised NCHW rows stored channels-last: a line holds every channel, so the
         # threads split the rows instead of the channels (long rows only)
         (lambda a: _bn_channels_last(a), (8, 16, 64, 64), "split"),

@@ -48,4 +48,34 @@ def step_fn(
     return step, m
 
 
+# The library calls no fusion compiler makes faster: GEMMs and convolutions, forward and
+# backward (each the innermost op torch's profiler sees, so self times do not overlap).
+LIBRARY_OPS = frozenset(
+    {
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "aten::baddbmm",
+        "aten::mkldnn_convolution",
+        "aten::convolution_backward",
+        "aten::mkldnn_convolution_backward",
+    }
+)
+
+
+def library_seconds(step: Callable[[], float]) -> float:
+    """Seconds of one step spent in library calls and in the optimizer's update, by torch's
+    profiler. Both are long calls, so the profiler's per-op overhead (which inflates the
+    thousands of small ops around them) barely touches them. With the unprofiled step time
+    they bound what fusing the rest can give (Amdahl): step / (library + optimizer)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    events = prof.key_averages()
+    library = sum(e.self_cpu_time_total for e in events if e.key in LIBRARY_OPS)
+    optimizer = sum(e.cpu_time_total for e in events if e.key.startswith("Optimizer.step#"))
+    return (library + optimizer) / 1e6
+
+
 CASES = (("bert_base", 8), ("resnet50", 8))

@@ -197,13 +197,20 @@ def _shares_lines(k: Kernel) -> bool:
 
 
 def _largest_load(k: Kernel) -> Ix | None:
+    """The index of the largest stream the reduced loops walk: the largest input, or an
+    output written per reduced element when it is larger still (a bias gradient summed
+    over the rows of a gradient it also writes out: the store is the biggest stream)."""
     best: tuple[int, Ix] | None = None
     sizes = {b.name: b.nbytes for b in k.buffers}
-    for buf, ix in accesses(k):
-        if buf.startswith("in"):
-            n = sizes.get(buf, 0)
-            if best is None or n > best[0]:
-                best = (n, ix)
+    inner = set(k.inner)
+    streams = [(buf, ix) for buf, ix in accesses(k) if buf.startswith("in")]
+    streams += [
+        (s.buffer, s.index) for p in k.passes for s in p.stores if s.index.variables() & inner
+    ]
+    for buf, ix in streams:
+        n = sizes.get(buf, 0)
+        if best is None or n > best[0]:
+            best = (n, ix)
     return best[1] if best else None
 
 
