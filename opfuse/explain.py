@@ -7,7 +7,7 @@ from typing import Any
 
 from .fusion.groups import Group, Partition
 from .ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta
-from .ir.ops import Kind, info
+from .ir.ops import Kind, info, short
 from .lower.epilogue import GemmKernel
 from .lower.groups import Lowered
 from .lower.kernel import Kernel
@@ -140,7 +140,7 @@ def _implementation(g: Group, b: Built | None) -> tuple[str, bool]:
     if isinstance(b, BuiltGemm):
         return f"{b.kernel.name}_blocked_{g.id}", True
     if isinstance(b, BuiltCall):
-        label = ", ".join(dict.fromkeys(n.op.split(".")[1] for n in g.nodes))
+        label = ", ".join(dict.fromkeys(short(n.op) for n in g.nodes))
         return f"{b.library}({label})", True
     if isinstance(b, BuiltKernel):
         name = f"{b.kernel.name}_{g.id}"

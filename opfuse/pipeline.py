@@ -40,6 +40,7 @@ from .rewrite.attention import fuse_attention
 from .rewrite.batchnorm import Fold, Refusal, fold_batchnorm, lower_batchnorm
 from .rewrite.cleanup import fold_constants
 from .rewrite.layout import channels_last
+from .rewrite.random import random_in_kernels
 from .runtime import Runtime
 
 log = logging.getLogger("opfuse")
@@ -61,6 +62,9 @@ class Options:
     implementation: str | None = field(
         default_factory=lambda: os.environ.get("OPFUSE_IMPLEMENTATION") or None
     )
+    # "kernel": rand_like/rand (dropout) drawn inside the kernels that use them, from a
+    # counter-based generator seeded by torch's; "torch": torch's own calls, eager's numbers.
+    random: str = field(default_factory=lambda: os.environ.get("OPFUSE_RANDOM") or "kernel")
 
 
 def _env_int(name: str) -> int | None:
@@ -114,6 +118,7 @@ def compile_graph(
     )
     report.layout = rw.layout
     report.attention = rw.attention
+    report.random = rw.random
     report.compile_seconds = time.perf_counter() - t0
     report.cached = module.cached
     if module.problem:
@@ -141,6 +146,7 @@ class Rewritten:
     refusals: list[Refusal]  # BatchNorms not folded, and why
     layout: str  # the activation layout chosen for convolutions, and why
     attention: list[str]  # attentions fused into one call, or kept explicit and why
+    random: list[str]  # uniform draws moved into kernels
 
 
 def rewrite(graph: Graph, opts: Options) -> Rewritten:
@@ -158,7 +164,12 @@ def rewrite(graph: Graph, opts: Options) -> Rewritten:
     if opts.layout == "channels-last":
         relaid = channels_last(graph)
         graph, layout = relaid.graph, relaid.note
-    return Rewritten(graph, folds, refusals, layout, attention)
+    random: list[str] = []
+    if opts.random == "kernel":
+        graph, random = random_in_kernels(graph)
+    elif opts.random != "torch":
+        raise ValueError(f"Options.random must be 'kernel' or 'torch', not {opts.random!r}")
+    return Rewritten(graph, folds, refusals, layout, attention, random)
 
 
 def tune(

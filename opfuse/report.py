@@ -64,6 +64,7 @@ class FusionReport:
     fusions: list[list[str]] = field(default_factory=list)  # [producer, consumer], in order
     layout: str = ""  # the activation layout chosen for convolutions, and why
     attention: list[str] = field(default_factory=list)  # attentions run as one fused call
+    random: list[str] = field(default_factory=list)  # uniform draws generated in kernels
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,6 +100,7 @@ class FusionReport:
             self.fusions + other.fusions,
             "; ".join(x for x in (self.layout, other.layout) if x),
             self.attention + other.attention,
+            self.random + other.random,
         )
 
     def patterns(self) -> dict[str, int]:
@@ -144,6 +146,8 @@ def format_table(r: FusionReport, width: int = 100) -> str:
         lines.append(f"not fused: {rej.producer} -> {rej.consumer}: {rej.reason}")
     for a in r.attention:
         lines.append(f"attention: {a}")
+    for a in r.random:
+        lines.append(a)
     if r.layout:
         lines.append(f"layout: {r.layout}")
     return "\n".join(lines)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta
-from ..ir.ops import ATTENTION, Kind, info
+from ..ir.ops import ATTENTION, SEED, Kind, info
 
 SUPPORTED_DTYPES = frozenset(
     {
@@ -60,6 +60,8 @@ def _kind(n: Node) -> tuple[Kind, str]:
     row = info(n.op)
     if n.op == ATTENTION:
         return Kind.OPAQUE, "the fused attention call reads it (a library call)"
+    if n.op == SEED:
+        return Kind.OPAQUE, "draws the seed of the kernels' random numbers from torch's generator"
     if row.kind == Kind.OPAQUE:
         return Kind.OPAQUE, f"{n.op} has no fused implementation"
     if n.op == GETITEM:

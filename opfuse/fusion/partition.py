@@ -29,7 +29,7 @@ import math
 from collections.abc import Iterable
 
 from ..ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta, bind
-from ..ir.ops import ATTENTION, Kind, info, is_generator
+from ..ir.ops import ATTENTION, Kind, info, is_generator, short
 from ..lower.lowering import NotFusable, lower_group, reduce_dims
 from .classify import Classified
 from .groups import Group, Partition, Rejection
@@ -232,14 +232,14 @@ class _Partitioner:
                     if c not in fusable or self.group_of.get(c) != self.group_of.get(consumers[0])
                 )
                 if len(consumers) == 1:
-                    why = f"{what} output feeds {other.op.split('.')[1]} (not an elementwise op)"
+                    why = f"{what} output feeds {short(other.op)} (not an elementwise op)"
                 else:
                     why = f"{what} output has {len(consumers)} users in different kernels"
                 self._reject(a, other, why)
                 continue
             gid = self.group_of[consumers[0]]
             if any(self.kinds.get(m) == Kind.REDUCTION for m in self.members[gid]):
-                op = consumers[0].op.split(".")[1]
+                op = short(consumers[0].op)
                 self._reject(a, consumers[0], f"{what} output feeds a reduction ({op})")
                 continue
             reason = self._try_epilogue(a, gid)

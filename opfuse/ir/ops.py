@@ -204,6 +204,22 @@ def arange(start: Any, end: Any, step: Any = 1, *, _index: Any, **_: Any) -> Exp
     return start + pos * step if step != 1 else start + pos
 
 
+# Significand bits of each float dtype: uniform numbers with that many random bits convert
+# to it exactly (rewrite/random.py computes the same in torch).
+_RANDOM_BITS = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
+
+
+def counter_rand(
+    seed: Expr, size: Sequence[int], dtype: torch.dtype, offset: int, *, _index: Any
+) -> Expr:
+    """Element i of opfuse.rand: SplitMix64 of (seed, offset + i), its top bits scaled to
+    [0, 1)."""
+    z = call("mix64", seed, position(linearize(_index, size) + offset))
+    bits = _RANDOM_BITS[dtype]
+    u = call("and", call("shr", z, 64 - bits), (1 << bits) - 1)
+    return cast(u, torch.float64 if dtype == torch.float64 else torch.float32) * 2.0**-bits
+
+
 def _sub(self: Expr, other: Any, alpha: Any = 1) -> Expr:
     return self - (other * alpha if alpha != 1 else other)
 
@@ -476,6 +492,8 @@ OPS: dict[str, OpInfo] = {
     "aten.softplus_backward.default": pw(lambda grad_output, self, beta, threshold: where(
         self * beta > threshold, grad_output,
         grad_output * exp(self * beta) / (exp(self * beta) + 1))),
+    # rewrite/random.py's uniform numbers, computed where they are used
+    "opfuse.rand.default": OpInfo(E, counter_rand, keep=("seed",), positional=True),
     # views: no data moves; fused groups read through their index maps
     "aten.view.default": view(ix_view),
     "aten._unsafe_view.default": view(ix_view),
@@ -531,6 +549,14 @@ VIEW_OPS = frozenset(k for k, v in OPS.items() if v.kind == Kind.INJECTIVE)
 
 # The fused attention call rewrite/attention.py makes: a library call of its own pattern.
 ATTENTION = "opfuse.attention.default"
+# rewrite/random.py's per-call seed: a torch call the kernels computing opfuse.rand read.
+SEED = "opfuse.seed.default"
+
+
+def short(op: str) -> str:
+    """'aten.add.Tensor' -> 'add'; names without a namespace ('getitem', higher-order ops
+    such as 'run_and_save_rng_state') as they are."""
+    return op.split(".")[1] if "." in op else op
 
 
 def info(op: str) -> OpInfo:
@@ -548,4 +574,4 @@ def cast_args_for(op: str) -> Callable[[str], bool]:
     return lambda name: name not in keep
 
 
-__all__ = ["OPS", "VIEW_OPS", "Kind", "OpInfo", "Reduction", "cast", "info"]
+__all__ = ["OPS", "VIEW_OPS", "Kind", "OpInfo", "Reduction", "cast", "info", "short"]

@@ -139,6 +139,9 @@ PRIMS: dict[str, Prim] = {
     "not": Prim(1, "same", "(!{0})", "op_not_{T}({0})", triton="(~{0})"),
     "shl": Prim(2, "same", "op_shl_{T}({0}, {1})", "op_shl_{T}({0}, {1})", triton="({0} << {1})"),
     "shr": Prim(2, "same", "op_shr_{T}({0}, {1})", "op_shr_{T}({0}, {1})", triton="({0} >> {1})"),
+    # counter-based random bits: SplitMix64's finaliser of seed + (counter + 1) * golden
+    "mix64": Prim(2, "same", "op_mix64({0}, {1})", "op_mix64({0}, {1})",
+                  triton="op_mix64({0}, {1})"),
     # selection and conversion
     "where": Prim(3, "where", "({0} ? {1} : {2})", triton="tl.where({0}, {1}, {2})"),
     "cast": Prim(1, "cast", "op_cast", triton="op_cast"),  # renderers own conversions

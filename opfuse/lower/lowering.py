@@ -28,7 +28,7 @@ import torch
 
 from ..ir.graph import GETITEM, Graph, Node, TensorMeta, bind
 from ..ir.index import Ix, Var, address, delinearize, linearize
-from ..ir.ops import Kind, info, is_generator
+from ..ir.ops import Kind, info, is_generator, short
 from ..ir.scalar import Expr, cast, const, opmath, walk
 from .kernel import Accumulate, Buffer, Kernel, Pass, Store
 
@@ -563,10 +563,9 @@ def kernel_name(nodes: Sequence[Node], limit: int = 5) -> str:
     """Named after its contents, TVM style: fused_add_mul_relu."""
     names: list[str] = []
     for n in nodes:
-        short = n.op.split(".")[1] if "." in n.op else n.op
-        short = short.strip("_")
-        if short not in names:
-            names.append(short)
+        name = short(n.op).strip("_")
+        if name not in names:
+            names.append(name)
     extra = len(names) - limit
     return "fused_" + "_".join(names[:limit]) + (f"_and_{extra}_more" if extra > 0 else "")
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ir.graph import CONSTANT, GETITEM, Graph, GraphBuilder, Node
+from ..ir.ops import short
 
 aten = torch.ops.aten
 BN_INFERENCE = "aten._native_batch_norm_legit_no_training.default"
@@ -105,7 +106,7 @@ def _plan(graph: Graph, bn: Node) -> tuple[_Plan | None, str]:
         return None, f"BatchNorm follows {x.op if isinstance(x, Node) else x}, not a conv or linear"
     n_users = len(users[x])
     if n_users != 1 or x in graph.output_set:
-        return None, f"{x.op.split('.')[1]} output has {n_users + (x in graph.output_set)} users"
+        return None, f"{short(x.op)} output has {n_users + (x in graph.output_set)} users"
     if x.op == CONV:
         weight, bias = x.args[1], x.args[2]
         kind = "conv"

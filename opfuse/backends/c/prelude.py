@@ -164,6 +164,12 @@ static inline T op_div_floor_T(T a, T b) {
   return (r != 0 && ((r < 0) != (b < 0))) ? (T)(q - 1) : q;
 }
 static inline T op_fmod_T(T a, T b) { return (b == 0 || b == -1) ? 0 : (T)(a % b); }
+static inline T op_shr_T(T a, T b) {  /* arithmetic, as torch's >> on signed types */
+  return (b < 0 || b >= (T)(8 * sizeof a)) ? (T)(a < 0 ? -1 : 0) : (T)(a >> b);
+}
+static inline T op_shl_T(T a, T b) {
+  return (b < 0 || b >= (T)(8 * sizeof a)) ? (T)0 : (T)((uint64_t)a << b);
+}
 static inline T op_remainder_T(T a, T b) {
   if (b == 0 || b == -1) return 0;
   T r = (T)(a % b);
@@ -182,6 +188,8 @@ static inline T op_div_trunc_T(T a, T b) { return b == 0 ? 0 : (T)(a / b); }
 static inline T op_div_floor_T(T a, T b) { return b == 0 ? 0 : (T)(a / b); }
 static inline T op_fmod_T(T a, T b) { return b == 0 ? 0 : (T)(a % b); }
 static inline T op_remainder_T(T a, T b) { return b == 0 ? 0 : (T)(a % b); }
+static inline T op_shr_T(T a, T b) { return b >= 8 * sizeof a ? (T)0 : (T)(a >> b); }
+static inline T op_shl_T(T a, T b) { return b >= 8 * sizeof a ? (T)0 : (T)(a << b); }
 static inline T op_pow_T(T a, T b) {
   uint64_t r = 1, x = a;
   while (b) { if (b & 1) r *= x; b >>= 1; x *= x; }
@@ -205,8 +213,21 @@ def _instantiate(template: str, t: str) -> str:
     )
 
 
+# rewrite/random.py: element i of a uniform draw is SplitMix64's output for (seed, i). Two
+# 64-bit multiplies (vpmullq under -march with AVX-512DQ): ~0.25 ms per million numbers
+# on 2 threads, where torch.rand takes 2.6 ms on one.
+_MIX64 = r"""
+static inline int64_t op_mix64(int64_t seed, int64_t counter) {
+  uint64_t z = (uint64_t)seed + ((uint64_t)counter + 1u) * 0x9E3779B97F4A7C15ull;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return (int64_t)(z ^ (z >> 31));
+}
+"""
+
+
 def build_prelude(mvec: tuple[str, ...]) -> str:
-    parts = [_HEAD, "#define OPFUSE_MAX_THREADS 1024\n", simd_declarations(mvec), _EXP]
+    parts = [_HEAD, "#define OPFUSE_MAX_THREADS 1024\n", simd_declarations(mvec), _EXP, _MIX64]
     parts += [_instantiate(_FLOAT_HELPERS, t) for t in _FLOAT_TYPES]
     parts += [_instantiate(_INT_HELPERS, t) for t in _INT_TYPES]
     parts += [
