@@ -206,7 +206,7 @@ def arange(start: Any, end: Any, step: Any = 1, *, _index: Any, **_: Any) -> Exp
 
 # Significand bits of each float dtype: uniform numbers with that many random bits convert
 # to it exactly (rewrite/random.py computes the same in torch).
-_RANDOM_BITS = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
+RANDOM_BITS = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
 
 
 def counter_rand(
@@ -215,7 +215,7 @@ def counter_rand(
     """Element i of opfuse.rand: SplitMix64 of (seed, offset + i), its top bits scaled to
     [0, 1)."""
     z = call("mix64", seed, position(linearize(_index, size) + offset))
-    bits = _RANDOM_BITS[dtype]
+    bits = RANDOM_BITS[dtype]
     u = call("and", call("shr", z, 64 - bits), (1 << bits) - 1)
     return cast(u, torch.float64 if dtype == torch.float64 else torch.float32) * 2.0**-bits
 

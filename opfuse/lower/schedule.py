@@ -66,7 +66,7 @@ def finalize(k: Kernel) -> Kernel:
             if outs and s.buffer == outs[0].name:
                 primary_store = s.index
     primary_outer = primary_store
-    primary_inner = _largest_load(k)
+    primary_inner = _largest_stream(k)
     outer_groups = _groups(k.outer, ixs, primary_outer)
     inner_groups = _groups(k.inner, ixs, primary_inner if k.inner else None)
     rename: dict[Var, tuple[Var, int]] = {}  # old var -> (new var, coefficient scale)
@@ -156,7 +156,7 @@ def _choose(k: Kernel) -> str:
     reduced rows and the threads merge their lanes."""
     if not k.inner:
         return "pointwise"
-    primary = _largest_load(k)
+    primary = _largest_stream(k)
     if primary is not None and k.outer:
         unit = [v for v in (*k.outer, *k.inner) if abs(primary.coef(v)) == 1]
         if unit and unit[0] == k.outer[-1] and primary.is_affine():
@@ -196,7 +196,7 @@ def _shares_lines(k: Kernel) -> bool:
     return False
 
 
-def _largest_load(k: Kernel) -> Ix | None:
+def _largest_stream(k: Kernel) -> Ix | None:
     """The index of the largest stream the reduced loops walk: the largest input, or an
     output written per reduced element when it is larger still (a bias gradient summed
     over the rows of a gradient it also writes out: the store is the biggest stream)."""

@@ -15,12 +15,12 @@ from __future__ import annotations
 import torch
 
 from ..ir.graph import Graph, GraphBuilder, Node, TensorMeta
+from ..ir.ops import RANDOM_BITS
 
 RANDOM_OPS = ("aten.rand_like.default", "aten.rand.default")
 # Ops that save or replay the generator's state (activation checkpointing under
 # AOTAutograd): their graphs keep torch's generator so a replay draws the same numbers.
 _RNG_STATE = ("run_and_save_rng_state", "run_with_rng_state", "get_rng_state", "set_rng_state")
-SIGNIFICAND_BITS = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
 
 _GOLDEN = 0x9E3779B97F4A7C15
 _MIX1 = 0xBF58476D1CE4E5B9
@@ -46,7 +46,7 @@ def rand(seed: torch.Tensor, size: list[int], dtype: torch.dtype, offset: int) -
     n = 1
     for s in size:
         n *= s
-    bits = SIGNIFICAND_BITS[dtype]
+    bits = RANDOM_BITS[dtype]
     counter = torch.arange(offset, offset + n, dtype=torch.int64)
     z = seed.to(torch.int64) + (counter + 1) * _signed(_GOLDEN)
     z = (z ^ _shr(z, 30)) * _signed(_MIX1)
@@ -107,7 +107,7 @@ def _rewritable(n: Node) -> bool:
         return False
     kw = dict(n.kwargs)
     return (
-        n.meta.dtype in SIGNIFICAND_BITS
+        n.meta.dtype in RANDOM_BITS
         and kw.get("generator") is None  # a caller's generator is theirs to advance
         and str(kw.get("device") or "cpu").startswith("cpu")
     )
