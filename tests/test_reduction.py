@@ -224,6 +224,25 @@ def test_gathered_operands_are_staged_for_the_vector_loop(layout: str, reduce: b
     assert_matches_eager(m, opfuse.compile(m, (a, b))(a, b), (a, b))
 
 
+@pytest.mark.parametrize("channels", [256, 300, 5000])
+def test_a_row_read_transposed_is_staged_once_for_every_pass(channels: int) -> None:
+    # MLP-Mixer's token mixing: LayerNorm(x + t.transpose(1, 2)) reads `t` 64 elements
+    # apart along the row. Rows up to ROW_STAGE are copied once, before the statistics and
+    # the normalising passes (before: the statistics loops gathered, 0.54 -> 0.20 ms).
+    x = torch.randn(4, 64, channels) * 3 + 50
+    t = torch.randn(4, channels, 64)
+
+    def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(a + b.transpose(1, 2), (channels,))
+
+    src = source(fn, x, t)
+    staged_once = channels <= 4096
+    assert ("r0_row_s0[" in src) == staged_once
+    assert src.count("= in1[") == (1 if staged_once else 3)  # one read of `t` per pass
+    m = Fn(fn).eval()
+    assert_matches_eager(m, opfuse.compile(m, (x, t))(x, t), (x, t))
+
+
 @pytest.mark.parametrize("shape", [(1, 32, 128, 128), (1, 40, 96, 97)])
 def test_group_norm_channels_last_folds_its_short_channel_loop(shape: tuple[int, ...]) -> None:
     # The 4 (5) channels of a group are the contiguous loop, too short for the Welford

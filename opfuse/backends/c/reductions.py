@@ -31,6 +31,9 @@ LANES = 16  # accumulator lanes per reduction: one 512-bit register of float32
 WELFORD_LANES = 64
 
 
+ROW_STAGE = 4096  # elements of a row staged whole (16 KiB per float32 operand, on the stack)
+
+
 def lanes_for(accs: Sequence[Accumulate]) -> int:
     return WELFORD_LANES if any(a.combine == "welford" for a in accs) else LANES
 
@@ -404,7 +407,7 @@ def _lane_loop(
     header = f"for (int l = 0; l < {count}; l++) {{"
     position = "const int64_t " + ", ".join(f"{v} = {pos}" for v, pos in lane) + ";"
     roots = [*(a.value for a in p.accumulates), *(s.value for s in p.stores)]
-    staged = gathered(roots, [v for v, _ in lane])
+    staged = [e for e in gathered(roots, [v for v, _ in lane]) if em.lookup(e) is None]
     bound = stage(em, staged, var, (header, position, "l", size), lines, ind) if staged else {}
     lines.append(f"{ind}#pragma omp simd")
     lines.append(f"{ind}{header}")
@@ -447,6 +450,7 @@ def rows(k: Kernel, lines: list[str]) -> None:
         indent += "  "
     em = Emitter([{}], [0])
     em.scopes.append({})
+    em.scopes.append(_stage_row(em, k, lines, indent))
     for number, p in enumerate(k.passes):
         _pass_body(em, p, k.inner, lines, indent, split=False, number=number)
         for a in p.accumulates:
@@ -455,9 +459,32 @@ def rows(k: Kernel, lines: list[str]) -> None:
             )
             _publish(em, a)
         emit_stores(em, p.after, lines, indent)
+    em.scopes.pop()
     for _ in k.outer:
         indent = indent[:-2]
         lines.append(f"{indent}}}")
+
+
+def _stage_row(em: Emitter, k: Kernel, lines: list[str], indent: str) -> dict[Expr, str]:
+    """Copy the operands every pass would gather (a LayerNorm whose residual is read
+    transposed, as in MLP-Mixer's token mixing) into contiguous arrays once per row, when a
+    row fits ROW_STAGE: the passes (statistics, then normalise) then all read unit stride,
+    where before only the last one staged and the reduction loops gathered (OpenMP
+    reductions cannot be staged per chunk, see emit.simd_loop). Mixer LayerNorm(x +
+    t.transpose(1, 2)) over 16x64x256: 0.54 -> 0.20 ms."""
+    if len(k.inner) != 1 or k.inner[0].extent > ROW_STAGE:
+        return {}
+    v = k.inner[0]
+    roots = [
+        e
+        for p in k.passes
+        for e in (*(a.value for a in p.accumulates), *(s.value for s in (*p.stores, *p.after)))
+    ]
+    loads = gathered(roots, [v.name])
+    if not loads:
+        return {}
+    header = f"for (int64_t {v.name} = 0; {v.name} < {v.extent}; {v.name}++) {{"
+    return stage(em, loads, f"{v.name}_row", (header, None, v.name, v.extent), lines, indent)
 
 
 def split(k: Kernel, lines: list[str]) -> None:
