@@ -63,7 +63,7 @@ class Options:
         default_factory=lambda: os.environ.get("OPFUSE_IMPLEMENTATION") or None
     )
     # "kernel": rand_like/rand (dropout) drawn inside the kernels that use them, from a
-    # counter-based generator seeded by torch's; "torch": torch's own calls, eager's numbers.
+    # counter-based generator seeded by torch's; "torch": torch's own rand calls.
     random: str = field(default_factory=lambda: os.environ.get("OPFUSE_RANDOM") or "kernel")
 
 
