@@ -131,3 +131,18 @@ def test_an_unfused_candidate_must_win_by_a_margin() -> None:
     assert autotune.pick(far) == "unfused"
     assert "fused kept" not in autotune.Decision("unfused", far).describe()
     assert autotune.pick({"mkl-unfused": 0.01}) == "mkl-unfused"
+
+
+def test_candidates_timed_one_at_a_time_get_a_second_round(clock: Clock) -> None:
+    # A burst of load during "a"'s first turn (3x slower) must not decide on its own.
+    turns: dict[str, int] = {}
+
+    def runner(name: str) -> Callable[[], None]:
+        turns[name] = turns.get(name, 0) + 1
+        cost = {"a": 0.030 if turns["a"] == 1 else 0.010, "b": 0.012}[name]
+        return clock.candidate(name, cost)
+
+    got = autotune.time_one_at_a_time(["a", "b"], runner, budget=0.4)
+    assert turns == {"a": 2, "b": 2}
+    assert got == pytest.approx({"a": 0.010, "b": 0.012})
+    assert autotune.pick(got) == "a"
