@@ -12,6 +12,8 @@ inductor's do). `Options.random = "torch"` (OPFUSE_RANDOM=torch) keeps torch's o
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..ir.graph import Graph, GraphBuilder, Node, TensorMeta
@@ -43,9 +45,7 @@ def rand(seed: torch.Tensor, size: list[int], dtype: torch.dtype, offset: int) -
     """Uniform [0, 1) numbers of `size`, element i from `seed` and counter offset + i
     alone: what the generated kernels compute (backends/c/prelude.py: op_mix64), here in
     torch for a group that runs unfused."""
-    n = 1
-    for s in size:
-        n *= s
+    n = math.prod(size)
     bits = RANDOM_BITS[dtype]
     counter = torch.arange(offset, offset + n, dtype=torch.int64)
     z = seed.to(torch.int64) + (counter + 1) * _signed(_GOLDEN)

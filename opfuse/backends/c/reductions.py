@@ -407,7 +407,7 @@ def _lane_loop(
     header = f"for (int l = 0; l < {count}; l++) {{"
     position = "const int64_t " + ", ".join(f"{v} = {pos}" for v, pos in lane) + ";"
     roots = [*(a.value for a in p.accumulates), *(s.value for s in p.stores)]
-    staged = [e for e in gathered(roots, [v for v, _ in lane]) if em.lookup(e) is None]
+    staged = gathered(em, roots, [v for v, _ in lane])
     bound = stage(em, staged, var, (header, position, "l", size), lines, ind) if staged else {}
     lines.append(f"{ind}#pragma omp simd")
     lines.append(f"{ind}{header}")
@@ -480,7 +480,7 @@ def _stage_row(em: Emitter, k: Kernel, lines: list[str], indent: str) -> dict[Ex
         for p in k.passes
         for e in (*(a.value for a in p.accumulates), *(s.value for s in (*p.stores, *p.after)))
     ]
-    loads = gathered(roots, [v.name])
+    loads = gathered(em, roots, [v.name])
     if not loads:
         return {}
     header = f"for (int64_t {v.name} = 0; {v.name} < {v.extent}; {v.name}++) {{"
