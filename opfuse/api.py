@@ -25,7 +25,8 @@ class RecompileError(RuntimeError):
 @dataclass
 class _Entry:
     captured: Captured
-    compiled: CompiledGraph
+    compiled: CompiledGraph | None  # None: compiling failed, torch.compile runs this one
+    report: FusionReport
 
 
 def _as_args(example_inputs: Any) -> tuple[Any, ...]:
@@ -91,13 +92,13 @@ class CompiledModule(torch.nn.Module):
         self._entries: dict[tuple[Any, ...], _Entry] = {}
         self._kw_order = list(kwargs)
         self._lock = threading.Lock()
-        self._autograd: Any = None
+        self._dynamo: Any = None
         self._first = self._compile(args, kwargs)
 
     @property
     def report(self) -> FusionReport:
         """The FusionReport of the first compiled signature."""
-        return self._first.compiled.report
+        return self._first.report
 
     def _flat(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         ordered = {k: kwargs[k] for k in self._kw_order if k in kwargs}
@@ -107,8 +108,16 @@ class CompiledModule(torch.nn.Module):
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Entry:
         model = self.__dict__["_model"]
         captured = capture_module(model, args, kwargs)
-        compiled = compile_graph(captured.graph, self._options, captured.eager_kernels)
-        entry = _Entry(captured, compiled)
+        try:
+            compiled: CompiledGraph | None = compile_graph(
+                captured.graph, self._options, captured.eager_kernels
+            )
+            report = compiled.report
+        except Exception as e:  # a bug of ours must not stop a model eager runs
+            message = _fallback_message(e)
+            warn_once(message)
+            compiled, report = None, FusionReport(warnings=[message])
+        entry = _Entry(captured, compiled, report)
         self._entries[_signature(self._flat(args, kwargs))] = entry
         return entry
 
@@ -117,7 +126,7 @@ class CompiledModule(torch.nn.Module):
             isinstance(t, torch.Tensor) and t.requires_grad
             for t in pytree.tree_leaves((args, kwargs))
         ):
-            return self._with_autograd(*args, **kwargs)
+            return self._through_dynamo(*args, **kwargs)
         leaves = self._flat(args, kwargs)
         sig = _signature(leaves)
         entry = self._entries.get(sig)
@@ -131,6 +140,8 @@ class CompiledModule(torch.nn.Module):
                             f"opfuse: {_describe_mismatch(sig, known)}; recompiling is switched off"
                         )
                     entry = self._compile(args, kwargs)
+        if entry.compiled is None:
+            return self._through_dynamo(*args, **kwargs)
         cap = entry.captured
         inputs = [leaves[k] if role == "user" else cap.state[k] for role, k in cap.input_roles]
         outs = entry.compiled(inputs)
@@ -145,14 +156,15 @@ class CompiledModule(torch.nn.Module):
         assert cap.out_spec is not None
         return structure.unflatten(cap.out_spec, user)
 
-    def _with_autograd(self, *args: Any, **kwargs: Any) -> Any:
-        """Inputs that require grad: eager semantics need autograd, which the frozen graph
-        does not record; run through the torch.compile backend instead."""
-        if self._autograd is None:
+    def _through_dynamo(self, *args: Any, **kwargs: Any) -> Any:
+        """Run through the torch.compile backend: for inputs that require grad (eager
+        semantics need autograd, which the frozen graph does not record) and for signatures
+        whose compile failed."""
+        if self._dynamo is None:
             from .dynamo import opfuse_backend
 
-            self._autograd = torch.compile(self.__dict__["_model"], backend=opfuse_backend)
-        return self._autograd(*args, **kwargs)
+            self._dynamo = torch.compile(self.__dict__["_model"], backend=opfuse_backend)
+        return self._dynamo(*args, **kwargs)
 
 
 def compile(
@@ -186,6 +198,14 @@ def compile(
     return torch.compile(model, backend=opfuse_backend)  # type: ignore[return-value]
 
 
+def _fallback_message(e: Exception) -> str:
+    return (
+        f"opfuse: compiling the captured graph failed ({type(e).__name__}: {e}); "
+        "running it through torch.compile(backend='opfuse'), which falls back to torch "
+        "graph by graph"
+    )
+
+
 def explain(
     model: torch.nn.Module,
     example_inputs: Any,
@@ -203,6 +223,8 @@ def explain(
             return compile_graph(captured.graph, opts, captured.eager_kernels).report
         except CaptureError as e:
             warn_once(f"opfuse: {e}; explaining the torch.compile path instead")
+        except Exception as e:  # explain what the fallback compile() takes runs
+            warn_once(_fallback_message(e))
     from .dynamo import collect_reports
 
     # Training mode runs the model once; a copy keeps the caller's running stats intact.

@@ -125,8 +125,10 @@ class Noise:
         self.base = torch.empty(0)
 
     def like(self, m: TensorMeta) -> torch.Tensor:
-        n = m.numel or 1
-        if self.base.numel() < n:
+        # Filled through its storage: a layout with overlapping elements (an expanded
+        # input, stride 0) cannot be written through the view.
+        n = 1 + sum((d - 1) * st for d, st in zip(m.shape, m.stride)) if m.numel else 0
+        if self.base.numel() < max(n, 1):
             g = torch.Generator().manual_seed(0)
             self.base = torch.rand(n, generator=g) * 4 - 2  # grows to the largest input
         base = self.base[:n]
@@ -136,10 +138,7 @@ class Noise:
             vals = base > 0
         else:
             vals = (base.abs() * 3.5 + 1).to(m.dtype)  # 1..7: safe divisors and indices
-        out = torch.empty_strided(m.shape, m.stride, dtype=m.dtype)
-        if m.numel:
-            out.copy_(vals[: m.numel].view(m.shape))
-        return out
+        return vals.clone().as_strided(m.shape, m.stride)
 
 
 def time_candidates(

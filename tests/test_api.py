@@ -181,6 +181,53 @@ def test_untraceable_model_falls_back_and_stays_correct() -> None:
         torch.testing.assert_close(fast(x), m(x))
 
 
+def test_a_compile_bug_falls_back_to_torch_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise IndexError("a bug in a later stage")
+
+    monkeypatch.setattr(opfuse.api, "compile_graph", broken)
+    m = _mlp().eval()
+    x = torch.randn(3, 8)
+    with pytest.warns(RuntimeWarning, match="IndexError: a bug in a later stage"):
+        fast = opfuse.compile(m, (x,))
+        with torch.no_grad():
+            out = fast(x)
+    with torch.no_grad():
+        torch.testing.assert_close(out, m(x))
+    assert any("IndexError" in w for w in fast.report.warnings)
+
+
+class _Linear2(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.nn.functional.gelu(self.a(x))) + x
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        pytest.param(lambda: torch.randn(0, 8), id="empty-batch"),
+        pytest.param(lambda: torch.randn(1, 8).expand(5, 8), id="expanded-stride-0"),
+        pytest.param(lambda: torch.randn(2, 0, 8)[:, :, :8], id="empty-middle-dim"),
+    ],
+)
+def test_degenerate_inputs_compile_and_match(make: Any) -> None:
+    torch.manual_seed(0)
+    m, x = _Linear2().eval(), make()
+    with torch.no_grad():
+        assert_matches_eager(m, opfuse.compile(m, (x,))(x), (x,))
+    torch._dynamo.reset()
+    ours, ref = copy.deepcopy(m).train(), copy.deepcopy(m).train()
+    torch.compile(ours, backend="opfuse")(x).sum().backward()
+    ref(x).sum().backward()
+    for a, b in zip(ours.parameters(), ref.parameters()):
+        assert a.grad is not None and b.grad is not None
+        torch.testing.assert_close(a.grad, b.grad)
+
+
 def test_explain_report_fields() -> None:
     m = _mlp()
     r = opfuse.explain(m, torch.randn(5, 8))

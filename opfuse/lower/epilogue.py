@@ -91,6 +91,8 @@ def gemm_spec(anchor: Node) -> tuple[GemmSpec | None, str]:
     batch = out.shape[0] if anchor.op == "aten.bmm.default" else 1
     m, n = out.shape[-2], out.shape[-1]
     k = x.tensor.shape[-1]
+    if min(batch, m, n, k) == 0:
+        return None, "an empty matrix (torch's call handles it)"
     if out.stride[-1] != 1 or out.stride[-2] != n:
         return None, "the matmul output is not row-major"
     ao, bo = _operand(x, m, k), _operand(w, k, n)
