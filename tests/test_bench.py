@@ -28,3 +28,17 @@ def test_inductor_and_inductor_freezing_run_their_own_code() -> None:
         assert "aten::addmm" in _gemm_ops(default, x)
         assert "mkl::_mkl_linear" in _gemm_ops(frozen, x)
     torch._dynamo.reset()
+
+
+def test_settled_timing_runs_each_candidate_right_before_its_timed_call() -> None:
+    from opfuse.bench.timing import time_interleaved
+
+    calls: list[str] = []
+    t = time_interleaved(
+        {"a": lambda: calls.append("a"), "b": lambda: calls.append("b")},
+        reps=3,
+        warmup=1,
+        settle=1,
+    )
+    assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 3
+    assert t["a"].reps == t["b"].reps == 3
