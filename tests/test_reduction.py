@@ -403,3 +403,58 @@ def test_random_prologue_reduction_epilogue(case: Any) -> None:
     fast = opfuse.compile(m, (x,))
     assert fast.report.kernels_after == 1, str(fast.report)
     assert_matches_eager(m, fast(x), (x,))
+
+
+NORMALISE = {
+    "softmax": lambda t, d: t.softmax(d[0]),
+    "log_softmax": lambda t, d: t.log_softmax(d[0]),
+    "standardise": lambda t, d: (t - t.mean(d, keepdim=True))
+    * torch.rsqrt(t.var(d, keepdim=True, correction=0) + 1e-5),
+    "rms": lambda t, d: t * torch.rsqrt(t.pow(2).mean(d, keepdim=True) + 1e-6),
+    "max_scaled": lambda t, d: t.exp() / t.exp().sum(d, keepdim=True) * t.amax(d, keepdim=True),
+}
+
+
+@st.composite
+def normalisation_cases(draw: Any) -> tuple[Any, torch.Tensor]:
+    """Multi-pass kernels (statistics, then a pass that writes and may re-read the output)
+    over any dims of an input in any memory layout: a channels-last softmax over channels
+    once re-read its own output before writing it."""
+    rank = draw(st.integers(1, 4))
+    shape = tuple(draw(st.lists(st.integers(1, 9), min_size=rank, max_size=rank)))
+    dims = sorted(draw(st.sets(st.integers(0, rank - 1), min_size=1, max_size=rank)))
+    op = draw(st.sampled_from(sorted(NORMALISE)))
+    perm = draw(st.permutations(range(rank)))
+    pro = draw(st.lists(st.integers(0, len(PRO) - 1), max_size=2))
+    scale = draw(st.booleans())
+    g = torch.Generator().manual_seed(draw(st.integers(0, 9999)))
+    # stored in `perm` order, seen in the logical order: channels-last and the like
+    stored = torch.randn([shape[p] for p in perm], generator=g)
+    x = stored.permute([perm.index(i) for i in range(rank)])
+
+    def fn(t: torch.Tensor) -> torch.Tensor:
+        for i in pro:
+            t = PRO[i](t)
+        r = NORMALISE[op](t, dims)
+        return r * 2.0 + 0.5 if scale else r
+
+    return fn, x
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(normalisation_cases())
+def test_random_normalisation_over_any_layout(case: Any) -> None:
+    fn, x = case
+    m = Fn(fn).eval()
+    fast = opfuse.compile(m, (x,))
+    assert_matches_eager(m, fast(x), (x,))
+    assert_matches_eager(m, fast(x), (x,))
+
+
+def test_softmax_over_channels_of_channels_last_input() -> None:
+    # The row staging copied softmax's output before the pass that stores exp() into it.
+    x = torch.randn(2, 6, 5, 5).to(memory_format=torch.channels_last)
+    m = Fn(lambda t: t.softmax(1) * 2).eval()
+    fast = opfuse.compile(m, (x,))
+    assert fast.report.kernels_after == 1
+    assert_matches_eager(m, fast(x), (x,))

@@ -480,7 +480,10 @@ def _stage_row(em: Emitter, k: Kernel, lines: list[str], indent: str) -> dict[Ex
         for p in k.passes
         for e in (*(a.value for a in p.accumulates), *(s.value for s in (*p.stores, *p.after)))
     ]
-    loads = gathered(em, roots, [v.name])
+    # Only what no pass writes: a value a pass stores and a later pass reads back (softmax's
+    # exp, kept in an output laid out across the row) would be copied before it exists.
+    written = {b.name for b in k.outputs}
+    loads = [e for e in gathered(em, roots, [v.name]) if e.value[0] not in written]
     if not loads:
         return {}
     header = f"for (int64_t {v.name} = 0; {v.name} < {v.extent}; {v.name}++) {{"
