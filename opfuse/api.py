@@ -108,10 +108,9 @@ class CompiledModule(torch.nn.Module):
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Entry:
         model = self.__dict__["_model"]
         captured = capture_module(model, args, kwargs)
+        compiled: CompiledGraph | None
         try:
-            compiled: CompiledGraph | None = compile_graph(
-                captured.graph, self._options, captured.eager_kernels
-            )
+            compiled = compile_graph(captured.graph, self._options, captured.eager_kernels)
             report = compiled.report
         except Exception as e:  # a bug of ours must not stop a model eager runs
             message = _fallback_message(e)

@@ -66,6 +66,19 @@ class Options:
     # counter-based generator seeded by torch's; "torch": torch's own rand calls.
     random: str = field(default_factory=lambda: os.environ.get("OPFUSE_RANDOM") or "kernel")
 
+    def __post_init__(self) -> None:
+        # Checked here, not where they are read: a compile that fails later falls back to
+        # torch with a warning, and a misspelt option must be an error instead.
+        for name, allowed in (
+            ("random", ("kernel", "torch")),
+            ("layout", ("channels-last", "keep")),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ValueError(
+                    f"Options.{name} must be one of {', '.join(map(repr, allowed))}, "
+                    f"not {getattr(self, name)!r}"
+                )
+
 
 def _env_int(name: str) -> int | None:
     v = os.environ.get(name)
@@ -167,8 +180,6 @@ def rewrite(graph: Graph, opts: Options) -> Rewritten:
     random: list[str] = []
     if opts.random == "kernel":
         graph, random = random_in_kernels(graph)
-    elif opts.random != "torch":
-        raise ValueError(f"Options.random must be 'kernel' or 'torch', not {opts.random!r}")
     return Rewritten(graph, folds, refusals, layout, attention, random)
 
 

@@ -197,6 +197,13 @@ def test_a_compile_bug_falls_back_to_torch_compile(monkeypatch: pytest.MonkeyPat
     assert any("IndexError" in w for w in fast.report.warnings)
 
 
+def test_misspelt_options_are_errors_not_fallbacks() -> None:
+    with pytest.raises(ValueError, match=r"Options\.layout"):
+        opfuse.Options(layout="nchw")
+    with pytest.raises(ValueError, match=r"Options\.random"):
+        opfuse.Options(random="philox")
+
+
 class _Linear2(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -408,8 +408,9 @@ def test_random_prologue_reduction_epilogue(case: Any) -> None:
 NORMALISE = {
     "softmax": lambda t, d: t.softmax(d[0]),
     "log_softmax": lambda t, d: t.log_softmax(d[0]),
-    "standardise": lambda t, d: (t - t.mean(d, keepdim=True))
-    * torch.rsqrt(t.var(d, keepdim=True, correction=0) + 1e-5),
+    "standardise": lambda t, d: (
+        (t - t.mean(d, keepdim=True)) * torch.rsqrt(t.var(d, keepdim=True, correction=0) + 1e-5)
+    ),
     "rms": lambda t, d: t * torch.rsqrt(t.pow(2).mean(d, keepdim=True) + 1e-6),
     "max_scaled": lambda t, d: t.exp() / t.exp().sum(d, keepdim=True) * t.amax(d, keepdim=True),
 }
