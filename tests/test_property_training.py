@@ -163,3 +163,24 @@ def test_random_convolution_epilogues_match_eager(case: Any) -> None:
         torch._dynamo.reset()
         dyn = torch.compile(m, backend="opfuse")
         assert_matches_eager(m, dyn(*inputs), tuple(inputs))
+
+
+def test_amax_backward_finds_the_recomputed_maximum() -> None:
+    # Found by the chains above at a larger size: the backward recomputes the log_softmax
+    # output (AOT's rematerialisation) and finds the saved maximum in it with ==. gcc had
+    # contracted the recomputation's (x - mean) * rsqrt - amax into an FMA, nothing
+    # matched, and every gradient was 0/0.
+    shape, perm = [43, 151, 2, 57], [3, 2, 0, 1]
+    steps = [("normalise", 2, [0, 2, 3]), ("normalise", 1, [0, 2, 3]), ("normalise", 4, [0, 1, 2])]
+    g = torch.Generator().manual_seed(205)
+    x = torch.randn([shape[p] for p in perm], generator=g).permute(
+        [perm.index(i) for i in range(4)]
+    )
+    model = _Chain(steps, [1, 1, 1, 1])
+    eager = _grads(copy.deepcopy(model), x)
+    torch._dynamo.reset()
+    ours = _grads(torch.compile(copy.deepcopy(model), backend="opfuse"), x)
+    assert torch.isfinite(ours[1]).all()
+    ref64 = _grads(copy.deepcopy(model).double(), x.double())
+    for what, o, e, r in zip(("output", "x.grad", "w.grad"), ours, eager, ref64):
+        assert_no_worse(o, e, r, what, factor=4.0)

@@ -58,6 +58,11 @@ _BASE_FLAGS = (
     "-fno-math-errno",
     "-fno-trapping-math",
     "-fwrapv",  # integer overflow wraps, as in torch
+    # Every op rounds as eager's does: GNU C contracts a*b+c across fused ops into one FMA,
+    # and a value the backward recomputes must equal the forward's bit for bit (amax's
+    # backward finds its maximum again with ==; a contracted recomputation matched nothing
+    # and the gradient was 0/0).
+    "-ffp-contract=off",
 )
 
 

@@ -78,15 +78,17 @@ static inline float op_exp_float(float x) {
   const float hi = 88.72283935546875f, lo = -103.972084045410f;
   const float xc = x > hi ? hi : (x < lo ? lo : x);
   const float n = nearbyintf(xc * 1.44269504088896341f);
-  float r = xc - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
+  /* Explicit fmaf: kernels build with -ffp-contract=off (ops round as eager's do), and
+     the polynomial is ours to evaluate the fastest way. */
+  float r = fmaf(-n, 0.693359375f, xc);
+  r = fmaf(-n, -2.12194440e-4f, r);
   float p = 1.9875691500E-4f;
-  p = p * r + 1.3981999507E-3f;
-  p = p * r + 8.3334519073E-3f;
-  p = p * r + 4.1665795894E-2f;
-  p = p * r + 1.6666665459E-1f;
-  p = p * r + 5.0000001201E-1f;
-  const float e = p * r * r + r + 1.0f;
+  p = fmaf(p, r, 1.3981999507E-3f);
+  p = fmaf(p, r, 8.3334519073E-3f);
+  p = fmaf(p, r, 4.1665795894E-2f);
+  p = fmaf(p, r, 1.6666665459E-1f);
+  p = fmaf(p, r, 5.0000001201E-1f);
+  const float e = fmaf(p * r, r, r) + 1.0f;
   /* 2^n in two normal halves (n >= -150 here): e * 2^n1 is exact, the second product
      rounds once, also into the subnormals (checked against the earlier explicit subnormal
      path on all 2^32 inputs: bit-identical). */
