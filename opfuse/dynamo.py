@@ -93,11 +93,15 @@ def opfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kw
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+    def partition(joint: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        _save_compared(joint.graph)
+        return min_cut_rematerialization_partition(joint, *args, **kwargs)
+
     backend = aot_autograd(
         fw_compiler=_compiler,
         bw_compiler=_compiler,
         decompositions=decompositions(training=True),
-        partition_fn=min_cut_rematerialization_partition,
+        partition_fn=partition,
     )
     relaid = channels_last_convolutions(gm)
     if relaid is not None:
@@ -106,6 +110,31 @@ def opfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kw
         except Exception as e:  # a view only NCHW allows: trace the graph as it was
             log.debug("channels-last declined: %s: %s", type(e).__name__, e)
     return backend(gm, example_inputs)
+
+
+def _save_compared(graph: torch.fx.Graph) -> None:
+    """Forward values the backward compares with == (amax/amin's backward finds the saved
+    maximum again in its input) are saved, never recomputed: a recomputation is a different
+    kernel, and glibc's vector and scalar sin/tanh/... may round one element differently
+    than the forward did. Nothing would match, and the gradient would be 0/0."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    backward: set[torch.fx.Node] = set()  # what depends on the incoming gradients
+    for n in graph.nodes:
+        if (n.op == "placeholder" and n.name.startswith("tangents")) or any(
+            a in backward for a in n.all_input_nodes
+        ):
+            backward.add(n)
+    feeds: set[torch.fx.Node] = set()  # forward values the backward reads
+    for n in reversed(graph.nodes):
+        if any(u in backward or u in feeds for u in n.users):
+            feeds.add(n)
+    for n in graph.nodes:
+        if n.target is torch.ops.aten.eq.Tensor and n in feeds and n not in backward:
+            for a in n.all_input_nodes:
+                val = a.meta.get("val")
+                if isinstance(val, torch.Tensor) and val.is_floating_point():
+                    a.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
 def collect_reports(

@@ -184,3 +184,24 @@ def test_amax_backward_finds_the_recomputed_maximum() -> None:
     ref64 = _grads(copy.deepcopy(model).double(), x.double())
     for what, o, e, r in zip(("output", "x.grad", "w.grad"), ours, eager, ref64):
         assert_no_worse(o, e, r, what, factor=4.0)
+
+
+def test_amax_of_a_transcendental_keeps_one_rounding() -> None:
+    # sin(sin(x)) - amax(...): the amax pass and the output pass each evaluated sin with
+    # glibc (vector in one loop, scalar in the other's tail), the values fed to == were not
+    # the ones the maximum came from, and the gradient was 0/0. The forward now keeps the
+    # value it stored for the output, and the backward gets the == mask saved, not redone.
+    shape, perm = [57, 1000, 17], [1, 2, 0]
+    steps = [("pointwise", 5, [0]), ("pointwise", 5, [0]), ("normalise", 4, [2])]
+    g = torch.Generator().manual_seed(24)
+    x = torch.randn([shape[p] for p in perm], generator=g).permute(
+        [perm.index(i) for i in range(3)]
+    )
+    model = _Chain(steps, [1, 1, 1])
+    torch._dynamo.reset()
+    ours = _grads(torch.compile(copy.deepcopy(model), backend="opfuse"), x)
+    eager = _grads(copy.deepcopy(model), x)
+    assert torch.isfinite(ours[1]).all()
+    ref64 = _grads(copy.deepcopy(model).double(), x.double())
+    for what, o, e, r in zip(("output", "x.grad"), ours, eager, ref64):
+        assert_no_worse(o, e, r, what, factor=4.0)

@@ -20,6 +20,7 @@ uses it as its last word on a proposed fusion.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -465,19 +466,24 @@ _COSTLY = frozenset(
 def _reuse_across_passes(passes: list[Pass], outs: dict[str, Buffer]) -> list[Pass]:
     """softmax's exp(x - max) is computed for the sum in one pass and again for the output
     in the next. Store it in the output during the first (same dtype: no rounding), and
-    read it back in the second: the costly part runs once."""
+    read it back in the second: the costly part runs once.
+
+    Every use of it in the second pass reads it back, not only the output it was kept in:
+    a recomputation can round differently (glibc's vector and scalar sinf differ in the
+    last bit, and the two passes' loops vectorise differently), and amax's backward,
+    which compares the maximum with == to the values it came from, then matched nothing."""
     for q in range(1, len(passes)):
         prev, cur = passes[q - 1], passes[q]
         if not prev.accumulates:
             continue
         shared = set(walk([a.value for a in prev.accumulates]))
         early: list[Store] = []
-        stores: list[Store] = []
+        subs: list[tuple[Expr, Expr]] = []
         for st in cur.stores:
             buf = outs.get(st.buffer)
             pick = None
             if buf is not None and st.guard is None:
-                for e in walk([st.value]):
+                for e in walk([_substituted(st.value, subs)]):
                     if (
                         e in shared
                         and e.dtype == buf.dtype
@@ -485,15 +491,26 @@ def _reuse_across_passes(passes: list[Pass], outs: dict[str, Buffer]) -> list[Pa
                     ):
                         pick = e  # walk is bottom-up: the last match is the largest
             if pick is None or buf is None:
-                stores.append(st)
                 continue
             early.append(Store(st.buffer, st.index, pick))
-            reread = Expr("load", (), buf.dtype, (st.buffer, st.index))
-            stores.append(Store(st.buffer, st.index, _substitute(st.value, pick, reread)))
+            subs.append((pick, Expr("load", (), buf.dtype, (st.buffer, st.index))))
         if early:
+            stores = tuple(
+                Store(st.buffer, st.index, _substituted(st.value, subs), st.guard)
+                for st in cur.stores
+            )
+            accs = tuple(
+                dataclasses.replace(a, value=_substituted(a.value, subs)) for a in cur.accumulates
+            )
             passes[q - 1] = Pass(prev.accumulates, (*prev.stores, *early), prev.after)
-            passes[q] = Pass(cur.accumulates, tuple(stores), cur.after)
+            passes[q] = Pass(accs, stores, cur.after)
     return passes
+
+
+def _substituted(e: Expr, subs: Sequence[tuple[Expr, Expr]]) -> Expr:
+    for old, new in subs:
+        e = _substitute(e, old, new)
+    return e
 
 
 def _substitute(e: Expr, old: Expr, new: Expr) -> Expr:
