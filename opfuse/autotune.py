@@ -127,8 +127,8 @@ class Noise:
     def like(self, m: TensorMeta) -> torch.Tensor:
         # Filled through its storage: a layout with overlapping elements (an expanded
         # input, stride 0) cannot be written through the view.
-        n = 1 + sum((d - 1) * st for d, st in zip(m.shape, m.stride)) if m.numel else 0
-        if self.base.numel() < max(n, 1):
+        n = m.span
+        if self.base.numel() < n:
             g = torch.Generator().manual_seed(0)
             self.base = torch.rand(n, generator=g) * 4 - 2  # grows to the largest input
         base = self.base[:n]

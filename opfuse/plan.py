@@ -448,7 +448,4 @@ def _fit(block: int, size: int) -> int:
 
 def _storage_bytes(m: TensorMeta) -> int:
     """Bytes spanned by a strided tensor (its largest offset + 1 element)."""
-    if m.numel == 0:
-        return 0
-    span = 1 + sum((s - 1) * st for s, st in zip(m.shape, m.stride))
-    return span * m.dtype.itemsize
+    return m.span * m.dtype.itemsize

@@ -41,6 +41,14 @@ class TensorMeta:
     def nbytes(self) -> int:
         return self.numel * self.dtype.itemsize
 
+    @property
+    def span(self) -> int:
+        """Elements of storage the strided tensor spans: its largest offset + 1 (0 if
+        empty). More than numel with gaps, less with overlaps (an expanded stride 0)."""
+        if self.numel == 0:
+            return 0
+        return 1 + sum((s - 1) * st for s, st in zip(self.shape, self.stride))
+
     def is_contiguous(self) -> bool:
         return self.stride == contiguous_strides(self.shape) or self.numel <= 1
 

@@ -82,6 +82,14 @@ class Pass:
     stores: tuple[Store, ...] = ()  # evaluated at every inner point of this pass
     after: tuple[Store, ...] = ()  # evaluated once per outer index after the pass
 
+    @property
+    def values(self) -> list[Expr]:
+        """Every expression the pass evaluates: accumulated, stored, stored after."""
+        return [
+            *(a.value for a in self.accumulates),
+            *(s.value for s in (*self.stores, *self.after)),
+        ]
+
 
 @dataclass(frozen=True)
 class Kernel:

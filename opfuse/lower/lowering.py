@@ -478,12 +478,12 @@ def _reuse_across_passes(passes: list[Pass], outs: dict[str, Buffer]) -> list[Pa
             continue
         shared = set(walk([a.value for a in prev.accumulates]))
         early: list[Store] = []
-        subs: list[tuple[Expr, Expr]] = []
+        subs: dict[Expr, Expr] = {}
         for st in cur.stores:
             buf = outs.get(st.buffer)
             pick = None
             if buf is not None and st.guard is None:
-                for e in walk([_substituted(st.value, subs)]):
+                for e in walk([_substitute(st.value, subs)]):
                     if (
                         e in shared
                         and e.dtype == buf.dtype
@@ -493,31 +493,28 @@ def _reuse_across_passes(passes: list[Pass], outs: dict[str, Buffer]) -> list[Pa
             if pick is None or buf is None:
                 continue
             early.append(Store(st.buffer, st.index, pick))
-            subs.append((pick, Expr("load", (), buf.dtype, (st.buffer, st.index))))
+            subs[pick] = Expr("load", (), buf.dtype, (st.buffer, st.index))
         if early:
             stores = tuple(
-                Store(st.buffer, st.index, _substituted(st.value, subs), st.guard)
+                Store(st.buffer, st.index, _substitute(st.value, subs), st.guard)
                 for st in cur.stores
             )
             accs = tuple(
-                dataclasses.replace(a, value=_substituted(a.value, subs)) for a in cur.accumulates
+                dataclasses.replace(a, value=_substitute(a.value, subs)) for a in cur.accumulates
             )
             passes[q - 1] = Pass(prev.accumulates, (*prev.stores, *early), prev.after)
             passes[q] = Pass(accs, stores, cur.after)
     return passes
 
 
-def _substituted(e: Expr, subs: Sequence[tuple[Expr, Expr]]) -> Expr:
-    for old, new in subs:
-        e = _substitute(e, old, new)
-    return e
-
-
-def _substitute(e: Expr, old: Expr, new: Expr) -> Expr:
+def _substitute(e: Expr, subs: dict[Expr, Expr]) -> Expr:
+    """e with every occurrence of a key of `subs` replaced by its value (outermost first;
+    Exprs are hash-consed, so a dict finds them by identity)."""
     memo: dict[Expr, Expr] = {}
 
     def go(x: Expr) -> Expr:
-        if x is old:
+        new = subs.get(x)
+        if new is not None:
             return new
         hit = memo.get(x)
         if hit is None:

@@ -29,8 +29,7 @@ def accesses(k: Kernel) -> list[tuple[str, Ix]]:
     out: list[tuple[str, Ix]] = []
     roots: list[Expr] = []
     for p in k.passes:
-        roots.extend(a.value for a in p.accumulates)
-        roots.extend(s.value for s in (*p.stores, *p.after))
+        roots.extend(p.values)
         out.extend((s.buffer, s.index) for s in (*p.stores, *p.after))
         out.extend(("<guard>", s.guard) for s in (*p.stores, *p.after) if s.guard is not None)
         out.extend(("<position>", a.position) for a in p.accumulates if a.position is not None)
@@ -91,7 +90,7 @@ def _inplace_pairs(k: Kernel) -> tuple[tuple[str, str], ...]:
     last_load: dict[str, int] = {}
     stores: dict[str, list[tuple[int, Ix, bool]]] = {}
     for p_i, p in enumerate(k.passes):
-        roots = [a.value for a in p.accumulates] + [s.value for s in (*p.stores, *p.after)]
+        roots = p.values
         if p_i == 0:
             roots += list(k.checks)
         for e in walk(roots):

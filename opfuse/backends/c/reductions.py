@@ -475,11 +475,7 @@ def _stage_row(em: Emitter, k: Kernel, lines: list[str], indent: str) -> dict[Ex
     if len(k.inner) != 1 or k.inner[0].extent > ROW_STAGE:
         return {}
     v = k.inner[0]
-    roots = [
-        e
-        for p in k.passes
-        for e in (*(a.value for a in p.accumulates), *(s.value for s in (*p.stores, *p.after)))
-    ]
+    roots = [e for p in k.passes for e in p.values]
     # Only what no pass writes: a value a pass stores and a later pass reads back (softmax's
     # exp, kept in an output laid out across the row) would be copied before it exists.
     written = {b.name for b in k.outputs}
