@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .fusion.groups import Group, Partition
@@ -23,7 +23,8 @@ def count_kernels(graph: Graph) -> int:
 def is_compute(n: Node) -> bool:
     if n.op in (INPUT, CONSTANT, GETITEM):
         return False
-    return info(n.op).kind != Kind.INJECTIVE
+    row = info(n.op)
+    return row.kind != Kind.INJECTIVE or row.copies
 
 
 def make_report(
@@ -34,7 +35,10 @@ def make_report(
     decisions: Mapping[int, Any],
     eager_kernels: int | None,
     source: str,
+    copied: Sequence[Node] = (),
 ) -> FusionReport:
+    """The report of one compiled graph. `copied`: data-movement ops (cat, pad, flip, ...)
+    that no kernel reads through, which the plan runs with torch."""
     groups: list[GroupReport] = []
     bytes_before = bytes_after = 0
     launches = 0
@@ -80,6 +84,21 @@ def make_report(
                 bytes_before += 2 * n.meta.nbytes
                 if n not in saved:
                     bytes_after += 2 * n.meta.nbytes
+    for n in copied:
+        readers = ", ".join(u.name for u in graph.users[n]) or "the caller"
+        groups.append(
+            GroupReport(
+                id=len(groups),
+                pattern="fallback",
+                kernel=n.op,
+                ops=[n.op],
+                nodes=[n.name],
+                modules=[n.source.module] if n.source and n.source.module else [],
+                sources=[str(n.source) if n.source else ""],
+                reason=f"copied with torch: {readers} reads it whole (no kernel reads through)",
+            )
+        )
+        launches += 1
     return FusionReport(
         kernels_before=eager_kernels if eager_kernels is not None else count_kernels(graph),
         kernels_after=launches,

@@ -33,12 +33,12 @@ from .fusion.groups import Partition, check_partition
 from .fusion.partition import Fuel, partition
 from .ir.graph import CONSTANT, INPUT, Graph
 from .lower.groups import lower_groups
-from .plan import Built, BuiltCall, build_plan
+from .plan import Built, BuiltCall, build_plan, copied
 from .progress import Progress
 from .report import FoldReport, FusionReport, RejectReport
 from .rewrite.attention import fuse_attention
 from .rewrite.batchnorm import Fold, Refusal, fold_batchnorm, lower_batchnorm
-from .rewrite.cleanup import fold_constants
+from .rewrite.cleanup import fold_constants, split_to_views
 from .rewrite.layout import channels_last
 from .rewrite.random import random_in_kernels
 from .runtime import Runtime
@@ -124,7 +124,9 @@ def compile_graph(
         warn_once(module.problem.splitlines()[0])
     built, decisions = tune(graph, part, module, opts.implementation)
     plan = build_plan(graph, part, built)
-    report = make_report(graph, part, lowered, built, decisions, eager_kernels, module.source)
+    report = make_report(
+        graph, part, lowered, built, decisions, eager_kernels, module.source, copied(graph, plan)
+    )
     report.folds = [FoldReport(f.conv, f.batchnorm) for f in rw.folds]
     report.rejected = [RejectReport(r.producer, r.batchnorm, r.reason) for r in rw.refusals] + (
         report.rejected
@@ -167,7 +169,7 @@ def rewrite(graph: Graph, opts: Options) -> Rewritten:
     refusals: list[Refusal] = []
     if opts.fold_batchnorm:
         graph, folds, refusals = fold_batchnorm(graph)
-    graph = fold_constants(graph)
+    graph = fold_constants(split_to_views(graph))
     graph = lower_batchnorm(graph)
     graph = fold_constants(graph)
     attention: list[str] = []

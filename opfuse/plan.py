@@ -12,6 +12,7 @@ import torch
 
 from .fusion.groups import Partition
 from .ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta, map_args
+from .ir.ops import info
 from .lower.epilogue import GemmKernel
 from .lower.kernel import Kernel
 from .runtime import (
@@ -197,6 +198,13 @@ class _Planner:
         for a in args:
             if isinstance(a, Out):
                 self.ready.add(self.g.nodes[a.slot])
+
+
+def copied(graph: Graph, plan: Plan) -> list[Node]:
+    """The data-movement ops (cat, pad, flip, repeat) the plan runs with torch: those a
+    library call, a torch op or the caller reads whole (a kernel reads through them)."""
+    ran = {s.name for s in plan.steps if isinstance(s, TorchStep)}
+    return [n for n in graph.nodes if info(n.op).copies and n.name in ran]
 
 
 def build_plan(graph: Graph, part: Partition, built: Mapping[int, Built]) -> Plan:

@@ -29,7 +29,7 @@ import math
 from collections.abc import Iterable
 
 from ..ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta, bind
-from ..ir.ops import ATTENTION, Kind, info, is_generator, short
+from ..ir.ops import ATTENTION, Kind, info, is_generator, reads_through, short
 from ..lower.lowering import NotFusable, lower_group, reduce_dims
 from .classify import Classified
 from .groups import Group, Partition, Rejection
@@ -64,6 +64,7 @@ class _Partitioner:
         self.members: dict[int, list[Node]] = {}
         self.rejected: list[Rejection] = []
         self.fusions: list[tuple[str, str]] = []
+        self.refused: list[tuple[Node, Node, Rejection]] = []  # vertical merges refused
         self.index = graph.index
         self._next = 0
 
@@ -108,6 +109,14 @@ class _Partitioner:
             n = src
         return n
 
+    def roots(self, n: Node) -> list[Node]:
+        """The nodes whose data a value is read from: through views, and through the
+        inputs of the gathers (cat, constant_pad_nd) a kernel computes where it reads."""
+        r = self.root(n)
+        if self.kinds.get(r) == Kind.INJECTIVE and reads_through(r):
+            return [x for i in r.inputs() for x in self.roots(i)]
+        return [r]
+
     # -- the pass -------------------------------------------------------------------------
     def run(self) -> Partition:
         for n in self.g.nodes:
@@ -117,6 +126,7 @@ class _Partitioner:
             self._new_group(n)
             if self.fusable(n):
                 self._fuse_producers(n)
+        self._retry_vertical()
         self._fuse_siblings()
         self._attach_epilogues()
         self._record_boundaries()
@@ -124,8 +134,7 @@ class _Partitioner:
 
     def _fuse_producers(self, n: Node) -> None:
         seen: set[int] = set()
-        for i in n.inputs():
-            p = self.root(i)
+        for p in dict.fromkeys(p for i in n.inputs() for p in self.roots(i)):
             gid = self.group_of.get(p)
             if gid is None or gid == self.group_of[n] or gid in seen:
                 continue
@@ -135,8 +144,21 @@ class _Partitioner:
             reason = self._try_merge(gid, self.group_of[n])
             if reason:
                 self._reject(p, n, reason)
+                self.refused.append((p, n, self.rejected[-1]))
             else:
                 self._fused(p.name, n.name, "vertical")
+
+    def _retry_vertical(self) -> None:
+        """Merges refused while a consumer was still on its own, tried again once every
+        group is formed: a producer read through a cat by amax and by sub (softmax over a
+        concatenation) could not join amax while sub, outside, still needed it stored."""
+        for p, n, _ in self.refused:
+            a, b = self.group_of[p], self.group_of[n]
+            if a != b and self.fusable(p) and self._try_merge(a, b) is None:
+                self._fused(p.name, n.name, "vertical, retried")
+        for p, n, rejection in self.refused:
+            if self.group_of[p] == self.group_of[n]:  # fused after all, one way or another
+                self.rejected.remove(rejection)
 
     def _try_merge(self, a: int, b: int) -> str | None:
         A, B = self.members[a], self.members[b]
@@ -159,7 +181,7 @@ class _Partitioner:
     def _reaches(self, src: set[Node], dst: set[Node]) -> bool:
         """Is there a path src -> x -> dst with x outside both sets?"""
         lo = min(self.index[n] for n in src)
-        stack = [self.root(i) for d in dst for i in d.inputs()]
+        stack = [r for d in dst for i in d.inputs() for r in self.roots(i)]
         stack = [x for x in stack if x not in src and x not in dst]
         seen: set[Node] = set()
         while stack:
@@ -169,8 +191,7 @@ class _Partitioner:
             seen.add(x)
             if x in src:
                 return True
-            for i in x.inputs():
-                r = self.root(i)
+            for r in (r for i in x.inputs() for r in self.roots(i)):
                 if r in src:
                     return True
                 if r not in dst:
@@ -253,7 +274,7 @@ class _Partitioner:
         stack = list(self.g.users[a])
         while stack:
             u = stack.pop()
-            if self.kinds.get(u) == Kind.INJECTIVE and u.op != GETITEM:
+            if self.kinds.get(u) == Kind.INJECTIVE and u.op != GETITEM and not info(u.op).copies:
                 stack.extend(self.g.users[u])
                 if u in self.g.output_set:
                     out.append(u)

@@ -45,7 +45,20 @@ class Mod:
         return f"({self.x!r} % {self.d})"
 
 
-Atom = Union[Var, FloorDiv, Mod]  # noqa: UP007 (a runtime alias: py3.10 has no `type`)
+@dataclass(frozen=True)
+class Clamp:
+    """min(max(x, 0), hi): the index a gather reads an input at where the element comes
+    from elsewhere (a cat's other inputs, a pad's border) -- the input's first or last
+    row, which stays in cache, instead of memory outside the tensor."""
+
+    x: Ix
+    hi: int
+
+    def __repr__(self) -> str:
+        return f"clamp({self.x!r}, 0, {self.hi})"
+
+
+Atom = Union[Var, FloorDiv, Mod, Clamp]  # noqa: UP007 (a runtime alias: py3.10 has no `type`)
 
 
 @dataclass(frozen=True)
@@ -113,6 +126,12 @@ class Ix:
 
     __radd__ = __add__
 
+    def __sub__(self, other: Ix | int) -> Ix:
+        return self + other * -1
+
+    def __rsub__(self, other: int) -> Ix:
+        return self * -1 + other
+
     def __mul__(self, k: int) -> Ix:
         if k == 0:
             return Ix()
@@ -144,7 +163,7 @@ class Ix:
         if f is not None:
             c, q, _ = f
             return q // (d // c)
-        q, r = self._split(d)
+        q, r = self._nonnegative_split(d)
         lo, hi = r.bounds()
         if lo >= 0 and hi < d:
             return q
@@ -162,7 +181,7 @@ class Ix:
         if f is not None:
             c, q, rest = f
             return (q % (d // c)) * c + rest
-        _, r = self._split(d)
+        _, r = self._nonnegative_split(d)
         lo, hi = r.bounds()
         if lo >= 0 and hi < d:
             return r
@@ -171,6 +190,27 @@ class Ix:
             if isinstance(atom, Mod) and atom.d % d == 0:  # (x % (k*d)) % d == x % d
                 return atom.x % d
         return Ix(((Mod(r, d), 1),))
+
+    def clamp(self, hi: int) -> Ix:
+        """min(max(self, 0), hi), as itself where its range already lies inside."""
+        lo, top = self.bounds()
+        if lo >= 0 and top <= hi:
+            return self
+        if lo >= hi:
+            return Ix.of(hi)
+        if top <= 0:
+            return Ix()
+        return Ix(((Clamp(self, hi), 1),))
+
+    def _nonnegative_split(self, d: int) -> tuple[Ix, Ix]:
+        """_split with r >= 0 everywhere: C's / and % truncate toward zero, so they agree
+        with floor division only on non-negative operands (a flip's 5 - i is one)."""
+        q, r = self._split(d)
+        lo, _ = r.bounds()
+        if lo < 0:
+            m = -(lo // d)  # periods that lift r's lowest value to >= 0
+            q, r = q + -m, r + m * d
+        return q, r
 
     def _split(self, d: int) -> tuple[Ix, Ix]:
         """self == d*q + r, moving every term whose coefficient d divides into q."""
@@ -222,6 +262,8 @@ class Ix:
                 out = out + env.get(a, Ix.var(a)) * c
             elif isinstance(a, FloorDiv):
                 out = out + (a.x.substitute(env) // a.d) * c
+            elif isinstance(a, Clamp):
+                out = out + a.x.substitute(env).clamp(a.hi) * c
             else:
                 out = out + (a.x.substitute(env) % a.d) * c
         return out
@@ -239,6 +281,8 @@ def atom_bounds(a: Atom) -> tuple[int, int]:
     lo, hi = a.x.bounds()
     if isinstance(a, FloorDiv):
         return lo // a.d, hi // a.d
+    if isinstance(a, Clamp):
+        return min(max(lo, 0), a.hi), min(max(hi, 0), a.hi)
     if lo >= 0 and hi < a.d:
         return lo, hi
     return 0, a.d - 1

@@ -55,6 +55,10 @@ class OpInfo:
     positional: bool = False  # the formula reads its element's position (_index=)
     index: Callable[..., tuple[Ix, ...]] | None = None  # views: out index -> input index
     reduction: Reduction | None = None
+    # cat, constant_pad_nd: (read, out index, args) -> the element, read from one of the
+    # inputs (read(node, index) -> Expr) or a constant
+    gather: Callable[..., Expr] | None = None
+    copies: bool = False  # injective, but eager materialises it (flip, repeat, cat, pad)
 
     @property
     def pointwise(self) -> bool:
@@ -332,6 +336,67 @@ def ix_identity(out: Sequence[Ix], self: Any, *args: Any, **kwargs: Any) -> tupl
     return tuple(out)
 
 
+def ix_flip(out: Sequence[Ix], self: Any, dims: Sequence[int]) -> tuple[Ix, ...]:
+    shape = _shape(self)
+    flipped = {_norm_dim(d, len(shape)) for d in dims}
+    return tuple(shape[d] - 1 - i if d in flipped else i for d, i in enumerate(out))
+
+
+def ix_repeat(out: Sequence[Ix], self: Any, repeats: Sequence[int]) -> tuple[Ix, ...]:
+    shape = _shape(self)
+    lead = len(out) - len(shape)
+    return tuple(Ix() if s == 1 else out[d + lead] % s for d, s in enumerate(shape))
+
+
+# -- gathers: each output element is one element of one of the inputs, or a constant --------
+Read = Callable[[Any, tuple[Ix, ...]], Expr]
+
+
+def _wrapped(i: Ix, start: int, size: int) -> Ix:
+    """i - start where that lies in [0, size); elsewhere the nearest index inside, so the
+    element a `where` discards is read from memory the tensor owns, and from a row that
+    stays in cache (C evaluates both sides of the `where`)."""
+    return (i - start).clamp(size - 1)
+
+
+def gather_cat(read: Read, out: tuple[Ix, ...], tensors: Sequence[Any], dim: int = 0) -> Expr:
+    # torch skips legacy empty 1-D inputs ([0]) whatever the rank of the others
+    parts = [t for t in tensors if t.meta.numel > 0]
+    d = _norm_dim(dim, len(out))
+    pos = position(out[d])
+    result: Expr | None = None
+    starts = [0]
+    for t in parts[:-1]:
+        starts.append(starts[-1] + t.meta.shape[d])
+    for t, start in reversed(list(zip(parts, starts))):
+        size = t.meta.shape[d]
+        v = read(t, (*out[:d], _wrapped(out[d], start, size), *out[d + 1 :]))
+        result = v if result is None else where(pos < start + size, v, result)
+    assert result is not None, "cat of empty tensors only"
+    return result
+
+
+def gather_pad(
+    read: Read, out: tuple[Ix, ...], self: Any, pad: Sequence[int], value: Any = 0
+) -> Expr:
+    shape = _shape(self)
+    fill = const(value, self.meta.dtype)
+    if self.meta.numel == 0:
+        return fill
+    idx = list(out)
+    inside: Expr | None = None
+    for j in range(len(pad) // 2):
+        d = len(shape) - 1 - j
+        lo, hi = pad[2 * j], pad[2 * j + 1]
+        idx[d] = _wrapped(out[d], lo, shape[d])
+        for c in ([position(out[d]) >= lo] if lo > 0 else []) + (
+            [position(out[d]) < lo + shape[d]] if hi > 0 else []
+        ):
+            inside = c if inside is None else call("and", inside, c)
+    v = read(self, tuple(idx))
+    return v if inside is None else where(inside, v, fill)
+
+
 # -- the table -----------------------------------------------------------------
 E = Kind.ELEMENTWISE  # BROADCAST is decided per node, from shapes (fusion/classify.py)
 
@@ -342,6 +407,14 @@ def pw(formula: Callable[..., Any], keep: tuple[str, ...] = ()) -> OpInfo:
 
 def view(index: Callable[..., tuple[Ix, ...]]) -> OpInfo:
     return OpInfo(Kind.INJECTIVE, index=index)
+
+
+def copy_view(index: Callable[..., tuple[Ix, ...]]) -> OpInfo:
+    return OpInfo(Kind.INJECTIVE, index=index, copies=True)
+
+
+def gather(fn: Callable[..., Expr]) -> OpInfo:
+    return OpInfo(Kind.INJECTIVE, gather=fn, copies=True)
 
 
 def red(combine: str, result: str = "value") -> OpInfo:
@@ -511,6 +584,11 @@ OPS: dict[str, OpInfo] = {
     "aten.alias.default": view(ix_identity),
     "aten.detach.default": view(ix_identity),
     "aten.as_strided.default": view(ix_as_strided),
+    # data movement eager copies; fused kernels read through it like a view
+    "aten.flip.default": copy_view(ix_flip),
+    "aten.repeat.default": copy_view(ix_repeat),
+    "aten.cat.default": gather(gather_cat),
+    "aten.constant_pad_nd.default": gather(gather_pad),
     "getitem": OpInfo(Kind.INJECTIVE),
     # reductions
     "aten.sum.dim_IntList": red("sum"),
@@ -544,13 +622,42 @@ OPS: dict[str, OpInfo] = {
 # fmt: on
 
 # Ops whose result is a view of their input (they never launch a kernel).
-VIEW_OPS = frozenset(k for k, v in OPS.items() if v.kind == Kind.INJECTIVE)
+VIEW_OPS = frozenset(k for k, v in OPS.items() if v.kind == Kind.INJECTIVE and not v.copies)
 
 
 # The fused attention call rewrite/attention.py makes: a library call of its own pattern.
 ATTENTION = "opfuse.attention.default"
 # rewrite/random.py's per-call seed: a torch call the kernels computing opfuse.rand read.
 SEED = "opfuse.seed.default"
+
+
+# A kernel reading through a cat evaluates every input at every position (the `where`
+# keeps one): beyond this many inputs torch's copy is cheaper (DenseNet's growing cats).
+MAX_GATHER_INPUTS = 8
+# Along the contiguous dimension the clamped index is no longer a vector load: the kernel
+# gathers it element by element, and the rows are short (an NCHW pad + ReLU 0.53x eager's
+# pad then ReLU, a 4096 x 768 cat + sigmoid 0.72x). A rotary embedding's cat of two head-dim
+# halves (rows of 64) still gains: it fuses five ops (1.2x unfused -> 1.75x and more).
+MAX_CONTIGUOUS_CAT = 64
+
+
+def reads_through(n: Any) -> bool:
+    """Is `n` a gather (cat, constant_pad_nd) that kernels compute where they read it?"""
+    from .graph import bind
+
+    row = info(n.op)
+    if row.gather is None or len(n.inputs()) > MAX_GATHER_INPUTS:
+        return False
+    m = n.meta
+    inner = [d for d in range(len(m.shape)) if m.stride[d] == 1 and m.shape[d] > 1]
+    if not inner:
+        return True
+    a = bind(n)
+    if n.op == "aten.cat.default":
+        along = _norm_dim(a.get("dim", 0), len(m.shape))
+        return along != inner[0] or m.shape[along] <= MAX_CONTIGUOUS_CAT
+    pad = a["pad"]
+    return inner[0] not in {len(m.shape) - 1 - j // 2 for j, p in enumerate(pad) if p != 0}
 
 
 def short(op: str) -> str:

@@ -106,7 +106,7 @@ def gemm_spec(anchor: Node) -> tuple[GemmSpec | None, str]:
 
 def _const_root(n: Node) -> Node | None:
     while n.op != CONSTANT:
-        if info(n.op).kind != Kind.INJECTIVE or n.op == GETITEM or not n.args:
+        if not _is_view(n):
             return None
         n = n.args[0]
     return n
@@ -278,11 +278,21 @@ class OneDnnPlan:
     other: Node | None = None  # the binary op's second operand
 
 
+def _is_view(n: Node) -> bool:
+    """An op whose result is its first argument's data read through an index map."""
+    row = info(n.op)
+    return (
+        row.kind == Kind.INJECTIVE
+        and not row.copies
+        and n.op != GETITEM
+        and bool(n.args)
+        and isinstance(n.args[0], Node)
+    )
+
+
 def _through_views(n: Node, target: Node) -> bool:
     while n is not target:
-        if info(n.op).kind != Kind.INJECTIVE or n.op == GETITEM or not n.args:
-            return False
-        if not isinstance(n.args[0], Node):
+        if not _is_view(n):
             return False
         n = n.args[0]
     return True

@@ -29,7 +29,7 @@ import torch
 
 from ..ir.graph import GETITEM, Graph, Node, TensorMeta, bind
 from ..ir.index import Ix, Var, address, delinearize, linearize
-from ..ir.ops import Kind, info, is_generator, short
+from ..ir.ops import Kind, info, is_generator, reads_through, short
 from ..ir.scalar import Expr, cast, const, opmath, walk
 from .kernel import Accumulate, Buffer, Kernel, Pass, Store
 
@@ -153,6 +153,10 @@ class _Lowering:
             return self._pointwise(n, idx)
         if n not in self.members:
             row = info(n.op)
+            if reads_through(n):
+                assert row.gather is not None
+                e = row.gather(self.value, idx, **bind(n))
+                return cast(e, opmath(n.tensor.dtype))
             if row.kind == Kind.INJECTIVE and row.index is not None and n.op != GETITEM:
                 try:
                     src_idx = row.index(idx, *n.args, **n.kw)

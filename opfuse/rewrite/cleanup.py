@@ -1,12 +1,13 @@
 """Constant folding: pointwise ops and views whose inputs are all frozen constants are
-evaluated once at compile time (e.g. the per-channel scale of an inference BatchNorm)."""
+evaluated once at compile time (e.g. the per-channel scale of an inference BatchNorm).
+Splits become slices: each piece of split/chunk/unbind is a view kernels read through."""
 
 from __future__ import annotations
 
 import torch
 
-from ..ir.graph import CONSTANT, GETITEM, Graph, GraphBuilder, Node, TensorMeta
-from ..ir.ops import Kind, info
+from ..ir.graph import CONSTANT, GETITEM, Graph, GraphBuilder, Node, TensorMeta, bind
+from ..ir.ops import info
 
 MAX_FOLD_NUMEL = 1 << 22
 MAX_GENERATED_NUMEL = 1 << 12  # tensors made from nothing (full, scalar_tensor) fold if small
@@ -23,7 +24,7 @@ def fold_constants(graph: Graph) -> Graph:
         row = info(n.op)
         foldable = (
             n.op != GETITEM
-            and (row.pointwise or (row.kind == Kind.INJECTIVE and row.index is not None))
+            and (row.pointwise or row.index is not None or row.gather is not None)
             and isinstance(n.meta, TensorMeta)
             and n.meta.numel <= (MAX_FOLD_NUMEL if n.inputs() else MAX_GENERATED_NUMEL)
             and all(b.get(i) in values for i in n.inputs())
@@ -39,6 +40,39 @@ def fold_constants(graph: Graph) -> Graph:
         values[new] = t
         b.replace(n, new)
     return b.build(graph.outputs)
+
+
+def split_to_views(graph: Graph) -> Graph:
+    """getitem(split(x, ...), k) -> slice(x, dim, start, end); getitem(unbind(x), k) ->
+    select(x, dim, k). The same views torch returns, but ones a kernel reads through (a
+    rotary embedding's chunk of q and k then fuses with the rest of it)."""
+    b = GraphBuilder().copy_from(graph)
+    aten = torch.ops.aten
+    for n in graph.nodes:
+        src = n.args[0] if n.op == GETITEM else None
+        if not isinstance(src, Node) or src.op not in _SPLITS:
+            b.copy(n)
+            continue
+        k = n.args[1]
+        assert isinstance(k, int)
+        a = bind(src)
+        x = b.get(a["self"])
+        dim = a["dim"]
+        if src.op == "aten.unbind.int":
+            new = b.call(aten.select.int, x, dim, k, source=n.source)
+        else:
+            sizes = [m.shape[dim] for m in src.meta]
+            start = sum(sizes[:k])
+            new = b.call(aten.slice.Tensor, x, dim, start, start + sizes[k], source=n.source)
+        if new.meta != n.meta:  # torch made the pieces some other way: keep them
+            b.nodes.remove(new)
+            b.copy(n)
+            continue
+        b.replace(n, new)
+    return b.build(graph.outputs)
+
+
+_SPLITS = ("aten.split.Tensor", "aten.split_with_sizes.default", "aten.unbind.int")
 
 
 def _sub(v: object, b: GraphBuilder, values: dict[Node, torch.Tensor]) -> object:

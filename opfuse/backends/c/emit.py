@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
-from ...ir.index import FloorDiv, Ix, Mod, Var
+from ...ir.index import Clamp, FloorDiv, Ix, Mod, Var
 from ...ir.scalar import PRIMS, Expr, format_float, walk
 from ...lower.kernel import Kernel, Store
 
@@ -83,6 +83,9 @@ def index(ix: Ix) -> str:
             a = atom.name
         elif isinstance(atom, FloorDiv):
             a = f"(({index(atom.x)}) / {atom.d})"
+        elif isinstance(atom, Clamp):
+            x = index(atom.x)
+            a = f"(({x}) < 0 ? 0 : ({x}) > {atom.hi} ? {atom.hi} : ({x}))"
         else:
             assert isinstance(atom, Mod)
             a = f"(({index(atom.x)}) % {atom.d})"
@@ -117,6 +120,18 @@ class Emitter:
             name = f"t{self.counter[0]}"
             lines.append(f"{indent}const {VALUE[e.dtype]} {name} = {text};")
             self.scopes[-1][e] = name
+
+    def registers(self, staged: dict[Expr, str], lines: list[str], indent: str) -> dict[Expr, str]:
+        """Read each staged element into a named value at the top of the vector loop's body:
+        left as an array read inside `c ? a : b` (a cat, a pad), gcc will not if-convert
+        the select and the whole loop, its math included, stays scalar."""
+        out: dict[Expr, str] = {}
+        for e, ref in staged.items():
+            self.counter[0] += 1
+            name = f"t{self.counter[0]}"
+            lines.append(f"{indent}const {VALUE[e.dtype]} {name} = {ref};")
+            out[e] = name
+        return out
 
     def ref(self, e: Expr) -> str:
         name = self.lookup(e)
@@ -285,7 +300,7 @@ def simd_loop(
         bound = stage(em, staged, var, (header, None, f"{var} - {c}", span or STAGE), lines, ind)
     lines.append(f"{ind}#pragma omp {pragma}")
     lines.append(f"{ind}{header}")
-    em.scopes.append(bound)
+    em.scopes.append(em.registers(bound, lines, ind + "  "))
     body(ind + "  ")
     em.scopes.pop()
     lines.append(f"{ind}}}")

@@ -412,7 +412,7 @@ def _lane_loop(
     lines.append(f"{ind}#pragma omp simd")
     lines.append(f"{ind}{header}")
     lines.append(f"{ind}  {position}")
-    em.scopes.append(bound)
+    em.scopes.append(em.registers(bound, lines, ind + "  "))
     _accumulate(em, p, lines, ind + "  ", "l", tail=False)
     em.scopes.pop()
     lines.append(f"{ind}}}")
