@@ -39,6 +39,7 @@ class CaptureError(RuntimeError):
 # Pointwise backward ops stay whole: the op table has their formulas, so keeping them
 # makes smaller graphs than their decompositions.
 _KEEP_WHOLE = (
+    aten.roll.default,  # an index map kernels read through (decomposed: two index_selects)
     aten.threshold_backward.default,
     aten.sigmoid_backward.default,
     aten.tanh_backward.default,

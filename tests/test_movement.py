@@ -100,6 +100,15 @@ def test_flip_and_repeat_read_through() -> None:
     assert r.kernels_before == 4
 
 
+@pytest.mark.parametrize(
+    "shifts, dims", [((2, -3), (1, 2)), ((5,), ()), ((-1,), (-1,)), ((9, 0), (0, 1))]
+)
+def test_roll_is_read_through(shifts: tuple[int, ...], dims: tuple[int, ...]) -> None:
+    # a shifted-window attention rolls its windows there and back
+    r = compiled(lambda x: torch.roll(x.sigmoid(), shifts, dims) * 2 + x, torch.randn(3, 5, 7))
+    assert r.kernels_after == 1 and r.kernels_before == 4
+
+
 def test_unbind_and_split_pieces_fuse() -> None:
     def f(x):  # type: ignore[no-untyped-def]
         a, b, c = x.unbind(1)
@@ -128,7 +137,7 @@ def test_cat_and_pad_under_training() -> None:
 
         def forward(self, x):  # type: ignore[no-untyped-def]
             y = torch.cat([x * self.w, x.tanh()], -1)
-            return F.pad(y, (1, 1)).flip(-1).sigmoid().sum()
+            return torch.roll(F.pad(y, (1, 1)).flip(-1), 3, 0).sigmoid().sum()
 
     torch.manual_seed(0)
     m = M()
@@ -155,7 +164,7 @@ def test_random_movement_chains(shape: list[int], data: st.DataObject) -> None:
     that may be transposed."""
     n = len(shape)
     dim = data.draw(st.integers(0, n - 1))
-    kind = data.draw(st.sampled_from(["cat", "pad", "flip", "repeat", "split"]))
+    kind = data.draw(st.sampled_from(["cat", "pad", "flip", "repeat", "split", "roll"]))
     x = torch.randn(*shape)
     if data.draw(st.booleans()) and n >= 2:
         x = x.transpose(0, n - 1).contiguous().transpose(0, n - 1)  # same shape, strided
@@ -178,6 +187,8 @@ def test_random_movement_chains(shape: list[int], data: st.DataObject) -> None:
             y = y.flip(dim)
         elif kind == "repeat":
             y = y.repeat(*reps)
+        elif kind == "roll":
+            y = torch.roll(y, pads[0] * 3 - 2, dim)
         else:
             parts = y.split(max(1, shape[dim] // 2), dim)
             y = parts[-1] * 2

@@ -348,6 +348,21 @@ def ix_repeat(out: Sequence[Ix], self: Any, repeats: Sequence[int]) -> tuple[Ix,
     return tuple(Ix() if s == 1 else out[d + lead] % s for d, s in enumerate(shape))
 
 
+def ix_roll(
+    out: Sequence[Ix], self: Any, shifts: Sequence[int], dims: Sequence[int] = ()
+) -> tuple[Ix, ...]:
+    shape = _shape(self)
+    if not dims:  # the flattened tensor rolls
+        n = math.prod(shape)
+        flat = (linearize(out, shape) + (n - shifts[0] % n)) % n if n else Ix()
+        return delinearize(flat, shape)
+    idx = list(out)
+    for s, d in zip(shifts, dims):
+        d = _norm_dim(d, len(shape))
+        idx[d] = (idx[d] + (shape[d] - s % shape[d])) % shape[d] if shape[d] else idx[d]
+    return tuple(idx)
+
+
 # -- gathers: each output element is one element of one of the inputs, or a constant --------
 Read = Callable[[Any, tuple[Ix, ...]], Expr]
 
@@ -587,6 +602,7 @@ OPS: dict[str, OpInfo] = {
     # data movement eager copies; fused kernels read through it like a view
     "aten.flip.default": copy_view(ix_flip),
     "aten.repeat.default": copy_view(ix_repeat),
+    "aten.roll.default": copy_view(ix_roll),
     "aten.cat.default": gather(gather_cat),
     "aten.constant_pad_nd.default": gather(gather_pad),
     "getitem": OpInfo(Kind.INJECTIVE),
