@@ -95,7 +95,7 @@ def make_report(
                 nodes=[n.name],
                 modules=[n.source.module] if n.source and n.source.module else [],
                 sources=[str(n.source) if n.source else ""],
-                reason=f"copied with torch: {readers} reads it whole (no kernel reads through)",
+                reason=f"copied with torch: read whole by {readers} (no kernel reads through it)",
             )
         )
         launches += 1
