@@ -11,6 +11,14 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import settings
+
+# Property tests draw the same examples on every run (HYPOTHESIS_PROFILE=explore draws new
+# ones): a random draw that finds a known weakness (float32 sums whose order differs can be
+# >4x eager's error on one row) must not turn an unrelated change's CI red at random.
+settings.register_profile("opfuse", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "opfuse"))
 
 # A private kernel cache per test session: tests exercise compilation, not a warm cache.
 os.environ.setdefault("OPFUSE_CACHE_DIR", tempfile.mkdtemp(prefix="opfuse-test-cache-"))
