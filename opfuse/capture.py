@@ -13,12 +13,13 @@ kept whole so that `rewrite.fold_batchnorm` can fold it into the conv before it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import operator
 import os
 import re
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +40,9 @@ class CaptureError(RuntimeError):
 # Pointwise backward ops stay whole: the op table has their formulas, so keeping them
 # makes smaller graphs than their decompositions.
 _KEEP_WHOLE = (
-    aten.roll.default,  # an index map kernels read through (decomposed: two index_selects)
+    # index maps kernels read through (decomposed: index_select / index with int tensors)
+    aten.roll.default,
+    aten.upsample_nearest2d.default,
     aten.threshold_backward.default,
     aten.sigmoid_backward.default,
     aten.tanh_backward.default,
@@ -164,9 +167,11 @@ def capture_module(
             warnings.simplefilter("ignore", FutureWarning)
             ep = torch.export.export(flat, tuple(args), kwargs, strict=False)
             eager_kernels = count_eager_kernels(ep.graph_module)
+            _nearest_by_size(ep.graph_module)
             gm = _decompose_functional(ep.graph_module)
             if gm is None:
-                ep = ep.run_decompositions(decompositions())
+                with _whole():
+                    ep = ep.run_decompositions(decompositions())
                 gm = ep.graph_module
     except Exception as e:  # export fails for many reasons; callers fall back to dynamo
         raise CaptureError(
@@ -230,6 +235,44 @@ def capture_module(
     return Captured(graph, output_roles, box[-1], input_roles, state, scalar_inputs, eager_kernels)
 
 
+@contextlib.contextmanager
+def _whole() -> Iterator[None]:
+    """Keep the _PY_WHOLE ops whole under the Python dispatcher: torch registers Python
+    kernels that decompose them at the Autograd key, before make_fx's decomposition table
+    is consulted. They are set aside for the trace and put back."""
+    keys = (torch._C.DispatchKey.Autograd, torch._C.DispatchKey.CompositeImplicitAutograd)
+    saved = [(op, k, op.py_kernels.pop(k)) for op in _PY_WHOLE for k in keys if k in op.py_kernels]
+    for op in _PY_WHOLE:
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, k, fn in saved:
+            op.py_kernels[k] = fn
+        for op in _PY_WHOLE:
+            op._dispatch_cache.clear()
+
+
+_PY_WHOLE = (aten.upsample_nearest2d.default,)
+
+
+def _nearest_by_size(gm: torch.fx.GraphModule) -> None:
+    """upsample_nearest2d.vec -> .default with the sizes export inferred, as the C++
+    composite does. Under the Python dispatcher the .vec overload's own Python kernel runs
+    first and gathers with index tensors (2x slower than torch's upsampling kernel, and
+    opaque to us); .default stays whole (_KEEP_WHOLE) and kernels read through it."""
+    for node in gm.graph.find_nodes(op="call_function", target=aten.upsample_nearest2d.vec):
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor) or not all(isinstance(s, int) for s in val.shape):
+            continue
+        a = list(node.args) + [None] * (3 - len(node.args))
+        scales = node.kwargs.get("scale_factors", a[2]) or (None, None)
+        node.target = aten.upsample_nearest2d.default
+        node.args = (a[0], list(val.shape[-2:]), scales[0], scales[1])
+        node.kwargs = {}
+    gm.recompile()
+
+
 def _decompose_functional(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
     """Decompose an exported graph that mutates nothing by retracing it once with make_fx
     (fake tensors, same inputs and outputs, node metadata kept). None when the graph or its
@@ -254,7 +297,7 @@ def _decompose_functional(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | No
     try:
         # The Python dispatcher routes eval BatchNorm to the op `fold_batchnorm` matches,
         # as run_decompositions does.
-        with torch.fx.traceback.preserve_node_meta(), enable_python_dispatcher():
+        with torch.fx.traceback.preserve_node_meta(), enable_python_dispatcher(), _whole():
             out = make_fx(run, decomposition_table=decompositions(), tracing_mode="fake")(*fakes)
     except Exception:
         return None

@@ -208,3 +208,25 @@ def test_a_cat_of_many_inputs_is_copied_once() -> None:
     assert any("copied with torch" in g.reason for g in r.groups)
     r = compiled(lambda *xs: torch.cat([x.relu() for x in xs[:8]], 1) * 2, *xs[:8])
     assert r.kernels_after == 1
+
+
+def test_nearest_upsampling_by_two_is_read_through() -> None:
+    # an FPN's top-down path: upsample the coarser map, add the lateral one
+    r = compiled(
+        lambda top, lateral: F.interpolate(top.relu(), scale_factor=2) + lateral,
+        torch.randn(2, 4, 5, 6),
+        torch.randn(2, 4, 10, 12),
+    )
+    assert r.kernels_after == 1 and r.kernels_before == 3
+    x = torch.randn(2, 8, 5, 6).to(memory_format=torch.channels_last)
+    r = compiled(lambda x, y: F.interpolate(x, size=(20, 12)) * y, x, torch.randn(2, 8, 20, 12))
+    assert r.kernels_after == 1
+
+
+@pytest.mark.parametrize("size", [(15, 18), (9, 7), (10, 9)])
+def test_other_nearest_sizes_run_torchs_kernel(size: tuple[int, int]) -> None:
+    # floor(dst * in/out) in float: only powers of two are read through (dst // k)
+    r = compiled(lambda x: F.interpolate(x, size=size) * 2, torch.randn(2, 3, 5, 6))
+    assert not any("index" in g.kernel for g in r.groups)  # torch's upsampling, not a gather
+    before = set(torch.ops.aten.upsample_nearest2d.default.py_kernels)
+    assert torch._C.DispatchKey.Autograd in before  # torch's own kernels are put back

@@ -363,6 +363,27 @@ def ix_roll(
     return tuple(idx)
 
 
+def ix_upsample_nearest(
+    out: Sequence[Ix],
+    self: Any,
+    output_size: Sequence[int],
+    scales_h: float | None = None,
+    scales_w: float | None = None,
+) -> tuple[Ix, ...]:
+    """Nearest upsampling by a power of two k: input row dst // k. torch computes
+    floor(dst * (1/k)) in float, exactly that when 1/k is a power of two; other sizes raise
+    ValueError (torch's kernel computes them, and the reading kernel loads its result)."""
+    shape = _shape(self)
+    idx = list(out)
+    for j, (size, scale) in enumerate(zip(output_size, (scales_h, scales_w))):
+        d = len(shape) - 2 + j
+        k, rest = divmod(size, shape[d])
+        if rest or k & (k - 1) or (scale is not None and scale != k):
+            raise ValueError(f"nearest upsampling {shape[d]} -> {size} is not by a power of two")
+        idx[d] = out[d] // k
+    return tuple(idx)
+
+
 # -- gathers: each output element is one element of one of the inputs, or a constant --------
 Read = Callable[[Any, tuple[Ix, ...]], Expr]
 
@@ -603,6 +624,7 @@ OPS: dict[str, OpInfo] = {
     "aten.flip.default": copy_view(ix_flip),
     "aten.repeat.default": copy_view(ix_repeat),
     "aten.roll.default": copy_view(ix_roll),
+    "aten.upsample_nearest2d.default": copy_view(ix_upsample_nearest),
     "aten.cat.default": gather(gather_cat),
     "aten.constant_pad_nd.default": gather(gather_pad),
     "getitem": OpInfo(Kind.INJECTIVE),
