@@ -39,10 +39,24 @@ class CaptureError(RuntimeError):
 
 # Pointwise backward ops stay whole: the op table has their formulas, so keeping them
 # makes smaller graphs than their decompositions.
+# Upsampling runs torch's kernel (nearest by powers of two: an index map kernels read
+# through); every mode's decomposition gathers with index tensors.
+_UPSAMPLE = (
+    "upsample_nearest1d",
+    "upsample_nearest2d",
+    "upsample_nearest3d",
+    "_upsample_nearest_exact1d",
+    "_upsample_nearest_exact2d",
+    "_upsample_nearest_exact3d",
+    "upsample_linear1d",
+    "upsample_bilinear2d",
+    "upsample_trilinear3d",
+    "upsample_bicubic2d",
+)
+
 _KEEP_WHOLE = (
-    # index maps kernels read through (decomposed: index_select / index with int tensors)
-    aten.roll.default,
-    aten.upsample_nearest2d.default,
+    aten.roll.default,  # an index map kernels read through (decomposed: two index_selects)
+    *(getattr(aten, name).default for name in _UPSAMPLE),  # see keep_whole
     aten.threshold_backward.default,
     aten.sigmoid_backward.default,
     aten.tanh_backward.default,
@@ -167,10 +181,9 @@ def capture_module(
             warnings.simplefilter("ignore", FutureWarning)
             ep = torch.export.export(flat, tuple(args), kwargs, strict=False)
             eager_kernels = count_eager_kernels(ep.graph_module)
-            _nearest_by_size(ep.graph_module)
             gm = _decompose_functional(ep.graph_module)
             if gm is None:
-                with _whole():
+                with keep_whole():
                     ep = ep.run_decompositions(decompositions())
                 gm = ep.graph_module
     except Exception as e:  # export fails for many reasons; callers fall back to dynamo
@@ -236,10 +249,12 @@ def capture_module(
 
 
 @contextlib.contextmanager
-def _whole() -> Iterator[None]:
-    """Keep the _PY_WHOLE ops whole under the Python dispatcher: torch registers Python
-    kernels that decompose them at the Autograd key, before make_fx's decomposition table
-    is consulted. They are set aside for the trace and put back."""
+def keep_whole() -> Iterator[None]:
+    """Keep the upsampling ops whole while a trace decomposes: torch registers Python
+    kernels that decompose them (into gathers with index tensors: bilinear ran 7-50x
+    slower than torch's kernel, nearest 2x) at the Autograd and CompositeImplicit keys,
+    before any decomposition table is consulted. They are set aside for the trace and put
+    back; the C++ composite of .vec then calls .default, which the trace records."""
     keys = (torch._C.DispatchKey.Autograd, torch._C.DispatchKey.CompositeImplicitAutograd)
     saved = [(op, k, op.py_kernels.pop(k)) for op in _PY_WHOLE for k in keys if k in op.py_kernels]
     for op in _PY_WHOLE:
@@ -253,24 +268,12 @@ def _whole() -> Iterator[None]:
             op._dispatch_cache.clear()
 
 
-_PY_WHOLE = (aten.upsample_nearest2d.default,)
-
-
-def _nearest_by_size(gm: torch.fx.GraphModule) -> None:
-    """upsample_nearest2d.vec -> .default with the sizes export inferred, as the C++
-    composite does. Under the Python dispatcher the .vec overload's own Python kernel runs
-    first and gathers with index tensors (2x slower than torch's upsampling kernel, and
-    opaque to us); .default stays whole (_KEEP_WHOLE) and kernels read through it."""
-    for node in gm.graph.find_nodes(op="call_function", target=aten.upsample_nearest2d.vec):
-        val = node.meta.get("val")
-        if not isinstance(val, torch.Tensor) or not all(isinstance(s, int) for s in val.shape):
-            continue
-        a = list(node.args) + [None] * (3 - len(node.args))
-        scales = node.kwargs.get("scale_factors", a[2]) or (None, None)
-        node.target = aten.upsample_nearest2d.default
-        node.args = (a[0], list(val.shape[-2:]), scales[0], scales[1])
-        node.kwargs = {}
-    gm.recompile()
+_PY_WHOLE = tuple(
+    getattr(getattr(aten, name), overload)
+    for name in _UPSAMPLE
+    for overload in ("vec", "default")
+    if hasattr(getattr(aten, name), overload)
+)
 
 
 def _decompose_functional(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
@@ -297,7 +300,7 @@ def _decompose_functional(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | No
     try:
         # The Python dispatcher routes eval BatchNorm to the op `fold_batchnorm` matches,
         # as run_decompositions does.
-        with torch.fx.traceback.preserve_node_meta(), enable_python_dispatcher(), _whole():
+        with torch.fx.traceback.preserve_node_meta(), enable_python_dispatcher(), keep_whole():
             out = make_fx(run, decomposition_table=decompositions(), tracing_mode="fake")(*fakes)
     except Exception:
         return None

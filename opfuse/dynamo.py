@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from .capture import capture_fx, decompositions
+from .capture import capture_fx, decompositions, keep_whole
 from .explain import count_kernels
 from .pipeline import CompiledGraph, Options, compile_graph, warn_once
 from .report import FusionReport
@@ -106,10 +106,12 @@ def opfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kw
     relaid = channels_last_convolutions(gm)
     if relaid is not None:
         try:
-            return backend(relaid, example_inputs)
+            with keep_whole():
+                return backend(relaid, example_inputs)
         except Exception as e:  # a view only NCHW allows: trace the graph as it was
             log.debug("channels-last declined: %s: %s", type(e).__name__, e)
-    return backend(gm, example_inputs)
+    with keep_whole():
+        return backend(gm, example_inputs)
 
 
 def _save_compared(graph: torch.fx.Graph) -> None:
