@@ -100,7 +100,7 @@ def opfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kw
     backend = aot_autograd(
         fw_compiler=_compiler,
         bw_compiler=_compiler,
-        decompositions=decompositions(training=True),
+        decompositions=decompositions(),
         partition_fn=partition,
     )
     relaid = channels_last_convolutions(gm)
