@@ -37,8 +37,6 @@ class CaptureError(RuntimeError):
     """The model could not be traced to a static ATen graph."""
 
 
-# Pointwise backward ops stay whole: the op table has their formulas, so keeping them
-# makes smaller graphs than their decompositions.
 # Upsampling runs torch's kernel (nearest by powers of two: an index map kernels read
 # through); every mode's decomposition gathers with index tensors.
 _UPSAMPLE = (
@@ -67,6 +65,8 @@ _KEEP_WHOLE = (
     ),
     aten.im2col.default,
     aten.col2im.default,
+    # Pointwise backward ops stay whole: the op table has their formulas, so keeping them
+    # makes smaller graphs than their decompositions.
     aten.threshold_backward.default,
     aten.sigmoid_backward.default,
     aten.tanh_backward.default,
