@@ -104,13 +104,12 @@ def opfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kw
         partition_fn=partition,
     )
     relaid = channels_last_convolutions(gm)
-    if relaid is not None:
-        try:
-            with keep_whole():
-                return backend(relaid, example_inputs)
-        except Exception as e:  # a view only NCHW allows: trace the graph as it was
-            log.debug("channels-last declined: %s: %s", type(e).__name__, e)
     with keep_whole():
+        if relaid is not None:
+            try:
+                return backend(relaid, example_inputs)
+            except Exception as e:  # a view only NCHW allows: trace the graph as it was
+                log.debug("channels-last declined: %s: %s", type(e).__name__, e)
         return backend(gm, example_inputs)
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from .fusion.groups import Group, Partition
 from .ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta
-from .ir.ops import Kind, info, short
+from .ir.ops import VIEW_OPS, Kind, info, short
 from .lower.epilogue import GemmKernel
 from .lower.groups import Lowered
 from .lower.kernel import Kernel
@@ -23,8 +23,7 @@ def count_kernels(graph: Graph) -> int:
 def is_compute(n: Node) -> bool:
     if n.op in (INPUT, CONSTANT, GETITEM):
         return False
-    row = info(n.op)
-    return row.kind != Kind.INJECTIVE or row.copies
+    return n.op not in VIEW_OPS
 
 
 def make_report(

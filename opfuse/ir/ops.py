@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .graph import bind
 from .index import Ix, delinearize, linearize
 from .scalar import Expr, call, cast, const, position, where
 
@@ -681,8 +682,6 @@ MAX_CONTIGUOUS_CAT = 64
 
 def reads_through(n: Any) -> bool:
     """Is `n` a gather (cat, constant_pad_nd) that kernels compute where they read it?"""
-    from .graph import bind
-
     row = info(n.op)
     if row.gather is None or len(n.inputs()) > MAX_GATHER_INPUTS:
         return False

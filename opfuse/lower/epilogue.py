@@ -21,7 +21,7 @@ import torch
 
 from ..ir.graph import CONSTANT, GETITEM, Graph, Node, TensorMeta, bind
 from ..ir.index import Ix, address
-from ..ir.ops import Kind, info
+from ..ir.ops import VIEW_OPS, Kind, info
 from ..ir.scalar import walk
 from .kernel import Kernel
 from .lowering import NotFusable, _Lowering, lower_group, lower_on_domain
@@ -280,14 +280,7 @@ class OneDnnPlan:
 
 def _is_view(n: Node) -> bool:
     """An op whose result is its first argument's data read through an index map."""
-    row = info(n.op)
-    return (
-        row.kind == Kind.INJECTIVE
-        and not row.copies
-        and n.op != GETITEM
-        and bool(n.args)
-        and isinstance(n.args[0], Node)
-    )
+    return n.op in VIEW_OPS and n.op != GETITEM and bool(n.args) and isinstance(n.args[0], Node)
 
 
 def _through_views(n: Node, target: Node) -> bool:
