@@ -133,7 +133,33 @@ def decompositions() -> dict[Any, Callable[..., Any]]:
     # returns its log-sum-exp, and the flash backward AOTAutograd pairs with the op reads
     # that slot as log-sum-exp (q/k/v gradients off by up to 150). Inductor excludes it too.
     table.pop(aten._scaled_dot_product_flash_attention_for_cpu.default, None)
+    table[aten._pad_circular.default] = _pad_circular
     return table
+
+
+def _pad_circular(x: torch.Tensor, pad: Sequence[int]) -> Any:
+    """Circular padding as one concatenation of wrapped slices per padded dimension.
+
+    torch's composite writes slices into an empty tensor: in a functional graph six
+    slice_scatters for a 2-d pad, each a copy of the whole output (0.08x eager). A cat is
+    a gather kernels read through, or torch's one copy. Crops (negative pads) keep torch's
+    composite."""
+    k = len(pad) // 2
+    if len(pad) % 2 or k > x.dim() or any(p < 0 for p in pad):
+        return NotImplemented
+    y = x
+    for i in range(k):
+        d = x.dim() - 1 - i
+        left, right, n = pad[2 * i], pad[2 * i + 1], x.shape[d]
+        if left > n or right > n:
+            return NotImplemented  # wraps more than once: torch raises its own error
+        parts = [y.narrow(d, n - left, left)] if left else []
+        parts.append(y)
+        if right:
+            parts.append(y.narrow(d, 0, right))
+        if len(parts) > 1:
+            y = torch.cat(parts, d)
+    return x.clone() if y is x else y  # the op returns a new tensor, never its input
 
 
 # Ops that assert or annotate and produce nothing we need.
