@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from collections import OrderedDict, namedtuple
 from typing import Any
 
@@ -377,3 +378,28 @@ def test_gru_and_rnn_stay_one_call(cell: type[nn.Module]) -> None:
     assert any(
         op in ("aten.gru.input", "aten.rnn_tanh.input") for g in report.groups for op in g.ops
     )
+
+
+def test_lstm_runs_onednn_layers_next_to_a_gru() -> None:
+    """A GRU sends capture down torch.export's decomposition path, which switches oneDNN
+    off: the LSTM unrolled into a matmul and gates per step (8 kernels -> 70)."""
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm = nn.LSTM(8, 16, num_layers=2, batch_first=True, bidirectional=True)
+            self.gru = nn.GRU(32, 8, batch_first=True)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            y, (h, _) = self.lstm(x)
+            return self.gru(y)[0].tanh(), h.sum(0)
+
+    m = Stack().eval()
+    x = torch.randn(3, 7, 8)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # nor torch.export's warning about RNN weights
+        fast = opfuse.compile(m, (x,))
+        assert_matches_eager(m, fast(x), (x,))
+    ops = [op for g in fast.report.groups for op in g.ops]
+    assert ops.count("aten.mkldnn_rnn_layer.default") == 4
+    assert "aten.addmm.default" not in ops
