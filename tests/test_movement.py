@@ -284,6 +284,8 @@ def test_padding_modes_and_unfold_run_torchs_kernels(f) -> None:  # type: ignore
     r = compiled(f, torch.randn(2, 3, 6, 8))
     assert not any("index" in g.kernel for g in r.groups)
     assert r.kernels_after == r.kernels_before
+    whole = [g for g in r.groups if g.pattern == "fallback"]
+    assert whole and all("torch's" in g.reason and "slower" in g.reason for g in whole)
 
 
 def test_user_attention_runs_torchs_flash_kernel() -> None:
@@ -292,6 +294,7 @@ def test_user_attention_runs_torchs_flash_kernel() -> None:
     r = compiled(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True), q, k, v)
     assert r.kernels_after == 1
     assert "flash" in r.groups[0].kernel
+    assert "flash attention kernel" in r.groups[0].reason
 
 
 @pytest.mark.parametrize(

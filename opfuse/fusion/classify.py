@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from ..ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta
-from ..ir.ops import ATTENTION, SEED, Kind, info
+from ..ir.ops import ATTENTION, SEED, Kind, info, torch_kernel_reason
 
 SUPPORTED_DTYPES = frozenset(
     {
@@ -63,7 +63,7 @@ def _kind(n: Node) -> tuple[Kind, str]:
     if n.op == SEED:
         return Kind.OPAQUE, "draws the seed of the kernels' random numbers from torch's generator"
     if row.kind == Kind.OPAQUE:
-        return Kind.OPAQUE, f"{n.op} has no fused implementation"
+        return Kind.OPAQUE, torch_kernel_reason(n.op) or f"{n.op} has no fused implementation"
     if n.op == GETITEM:
         return Kind.INJECTIVE, ""
     metas = _tensor_metas(n)

@@ -259,9 +259,11 @@ class _Partitioner:
                 self._reject(a, other, why)
                 continue
             gid = self.group_of[consumers[0]]
-            if any(self.kinds.get(m) == Kind.REDUCTION for m in self.members[gid]):
-                op = short(consumers[0].op)
-                self._reject(a, consumers[0], f"{what} output feeds a reduction ({op})")
+            red = next((m for m in self.members[gid] if self.kinds.get(m) == Kind.REDUCTION), None)
+            if red is not None:
+                op, rop = short(consumers[0].op), short(red.op)
+                via = "" if op == rop else f" through {op}"
+                self._reject(a, consumers[0], f"{what} output feeds a reduction ({rop}){via}")
                 continue
             reason = self._try_epilogue(a, gid)
             if reason:

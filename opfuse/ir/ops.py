@@ -713,6 +713,28 @@ def _loads(n: Any) -> int | None:
     return total if total <= MAX_GATHER_INPUTS else None
 
 
+# Ops torch runs whole by choice (capture keeps them from decomposing), by name prefix,
+# with what their decomposition measured: the report's reason for each such group.
+TORCH_KERNELS = {
+    "upsample": "torch's upsampling kernel (decomposed: gathers with index tensors, 2-50x slower)",
+    "_upsample": "torch's upsampling kernel (decomposed: gathers with index tensors, 2-50x slower)",
+    "reflection_pad": "torch's padding kernel (decomposed: index gathers, 20-30x slower)",
+    "replication_pad": "torch's padding kernel (decomposed: index gathers, 20-30x slower)",
+    "im2col": "torch's unfold kernel (decomposed: index gathers, 3-4x slower)",
+    "col2im": "torch's fold kernel (decomposed: index gathers, 3-4x slower)",
+    "_scaled_dot_product_flash_attention": "torch's flash attention kernel (decomposed: 0.73-0.91x)",
+    "gru": "torch's recurrent layer (decomposed: a dozen ops per time step)",
+    "rnn_": "torch's recurrent layer (decomposed: a dozen ops per time step)",
+    "mkldnn_rnn_layer": "oneDNN's fused LSTM layer, as eager runs it",
+}
+
+
+def torch_kernel_reason(op: str) -> str | None:
+    """Why torch runs `op` whole, if it is one of the ops kept from decomposing."""
+    name = short(op)
+    return next((why for p, why in TORCH_KERNELS.items() if name.startswith(p)), None)
+
+
 def short(op: str) -> str:
     """'aten.add.Tensor' -> 'add'; names without a namespace ('getitem', higher-order ops
     such as 'run_and_save_rng_state') as they are."""
