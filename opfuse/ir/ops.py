@@ -672,13 +672,10 @@ SEED = "opfuse.seed.default"
 
 # A kernel reading through a cat evaluates every input at every position (the `where`
 # keeps one): beyond this many loads per element (inputs, nested gathers adding up)
-# torch's copy is cheaper (DenseNet's growing cats).
+# torch's copy is cheaper (DenseNet's growing cats). Along the contiguous dimension a
+# pointwise kernel cuts its vector loop at the gather's boundaries (lower/split.py) and
+# each piece reads one input: such a gather costs its most expensive input.
 MAX_GATHER_INPUTS = 8
-# Along the contiguous dimension the clamped index is no longer a vector load: the kernel
-# gathers it element by element, and the rows are short (an NCHW pad + ReLU 0.53x eager's
-# pad then ReLU, a 4096 x 768 cat + sigmoid 0.72x). A rotary embedding's cat of two head-dim
-# halves (rows of 64) still gains: it fuses five ops (1.2x unfused -> 1.75x and more).
-MAX_CONTIGUOUS_CAT = 64
 
 
 def reads_through(n: Any) -> bool:
@@ -688,28 +685,26 @@ def reads_through(n: Any) -> bool:
 
 def _loads(n: Any) -> int | None:
     """The loads a kernel reading through gather `n` makes per element; None when it is not
-    read through. Nested gathers add up (a 3-d circular pad is three cats of three: 27)."""
+    read through. Nested gathers add up (a 3-d circular pad's cats of three along the outer
+    dimensions: 9 per element)."""
     row = info(n.op)
     if row.gather is None or len(n.inputs()) > MAX_GATHER_INPUTS:
         return None
     m = n.meta
     inner = [d for d in range(len(m.shape)) if m.stride[d] == 1 and m.shape[d] > 1]
-    a = bind(n)
-    if inner and n.op == "aten.cat.default":
-        along = _norm_dim(a.get("dim", 0), len(m.shape))
-        # Along the contiguous dimension only two-way cats gain (rotary embeddings); a
-        # circular pad's three-way cat of 58-wide rows ran 0.57x torch's copy.
-        if along == inner[0] and (m.shape[along] > MAX_CONTIGUOUS_CAT or len(n.inputs()) > 2):
-            return None
-    elif inner and n.op != "aten.cat.default":
-        padded = {len(m.shape) - 1 - j // 2 for j, p in enumerate(a["pad"]) if p != 0}
-        if inner[0] in padded:
-            return None
-    total = 0
+    if not inner:
+        along: set[int] = set()
+    elif n.op == "aten.cat.default":
+        along = {_norm_dim(bind(n).get("dim", 0), len(m.shape))}
+    else:
+        along = {len(m.shape) - 1 - j // 2 for j, p in enumerate(bind(n)["pad"]) if p != 0}
+    loads = []
     for i in n.inputs():
         while info(i.op).kind == Kind.INJECTIVE and info(i.op).index and hasattr(i.args[0], "op"):
             i = i.args[0]  # views and index maps: the same loads as their source
-        total += _loads(i) or 1
+        loads.append(_loads(i) or 1)
+    split = inner and along == {inner[0]}
+    total = max(loads) if split else sum(loads)
     return total if total <= MAX_GATHER_INPUTS else None
 
 

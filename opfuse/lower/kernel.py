@@ -92,6 +92,16 @@ class Pass:
 
 
 @dataclass(frozen=True)
+class Piece:
+    """Iterations [start, start + var.extent) of a pointwise kernel's vector loop, run as
+    `var` from 0 with stores specialised to them (lower/split.py)."""
+
+    start: int
+    var: Var
+    stores: tuple[Store, ...]
+
+
+@dataclass(frozen=True)
 class Kernel:
     name: str
     ops: tuple[str, ...]  # the ATen ops it fuses, in order
@@ -106,6 +116,9 @@ class Kernel:
     # (output, input) buffer pairs that may share memory: every read of the input element
     # comes before the write of the output element at the same place (softmax, relu(x)).
     inplace: tuple[tuple[str, str], ...] = ()
+    # pointwise only: the vector loop cut where a gather's position tests change answer;
+    # () runs it whole with passes[0].stores
+    pieces: tuple[Piece, ...] = ()
     notes: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property

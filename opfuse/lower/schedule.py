@@ -15,6 +15,7 @@ from dataclasses import replace
 from ..ir.index import Ix, Var
 from ..ir.scalar import Expr, walk
 from .kernel import Kernel, Pass, Store
+from .split import with_pieces
 
 # A reduction whose rows are too few to keep every thread busy splits each row.
 SPLIT_MAX_OUTER = 16
@@ -80,7 +81,8 @@ def finalize(k: Kernel) -> Kernel:
     k2 = replace(map_indices(k, fix), outer=tuple(new_outer), inner=tuple(new_inner))
     k2 = replace(k2, schedule=_choose(k2))
     k2 = _variance_algorithm(k2)
-    return replace(k2, inplace=_inplace_pairs(k2))
+    k2 = replace(k2, inplace=_inplace_pairs(k2))
+    return with_pieces(k2)
 
 
 def _inplace_pairs(k: Kernel) -> tuple[tuple[str, str], ...]:

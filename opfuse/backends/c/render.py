@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ...lower.kernel import Kernel
+from ...lower.kernel import Kernel, Piece, Store
 from .columns import columns
 from .emit import STORAGE, Emitter, emit_checks, emit_stores, for_loop, invariant, simd_loop
 from .reductions import rows, split
@@ -89,13 +89,20 @@ def _pointwise(k: Kernel, lines: list[str]) -> None:
     for u in rest:
         lines.append(for_loop(u, indent))
         indent += "  "
-    # what the vector loop does not change is computed before it
-    em.scopes.append({})
-    roots = [s.value for s in p.stores]
-    em.emit(invariant(roots, [v]), lines, indent)
-    simd_loop(
-        em, [*roots, *k.checks], v.name, ("0", str(v.extent)), f"simd{red}", lines, indent, body
-    )
+    # what the vector loop does not change is computed before it; a loop cut into pieces
+    # (lower/split.py) runs each piece with its own stores, its variable offset in them
+    for piece in k.pieces or (Piece(0, v, p.stores),):
+        em.scopes.append({})
+        roots = [s.value for s in piece.stores]
+        em.emit(invariant(roots, [piece.var]), lines, indent)
+
+        def run(ind: str, stores: tuple[Store, ...] = piece.stores) -> None:
+            emit_stores(em, stores, lines, ind)
+            emit_checks(em, k, lines, ind)
+
+        bounds = ("0", str(piece.var.extent))
+        simd_loop(em, [*roots, *k.checks], v.name, bounds, f"simd{red}", lines, indent, run)
+        em.scopes.pop()
     for _ in rest:
         indent = indent[:-2]
         lines.append(f"{indent}}}")
