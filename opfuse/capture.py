@@ -134,10 +134,56 @@ def decompositions() -> dict[Any, Callable[..., Any]]:
     # that slot as log-sum-exp (q/k/v gradients off by up to 150). Inductor excludes it too.
     table.pop(aten._scaled_dot_product_flash_attention_for_cpu.default, None)
     table[aten._pad_circular.default] = _pad_circular
+    table[aten.native_group_norm.default] = _group_norm
     for op in (aten.lstm.input, aten.lstm.data):
         if op in table:
             table[op] = functools.partial(_lstm, table[op])
     return table
+
+
+def _group_norm(
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    n: int,
+    c: int,
+    hw: int,
+    groups: int,
+    eps: float,
+) -> Any:
+    """GroupNorm with its statistics taken per channel, then combined per group.
+
+    torch's decomposition reduces a [N, G, C/G * H*W] view: on a channels-last image (the
+    layout frozen conv graphs run in) each group's elements lie C apart and the reduction
+    gathers them one by one (GroupNorm + SiLU 0.26x eager). Per-channel statistics are a
+    reduction over the spatial dimensions in either layout (rows in NCHW, columns in NHWC);
+    the group's mean is the mean of its channels' means and its variance the mean of
+    var_c + (mean_c - mean)^2 (every channel counts H*W elements). The output is
+    x * w + b with per-channel w = rstd * weight and b = bias - mean * w, as torch's CPU
+    kernel computes it."""
+    if input.dim() < 3 or c % groups or input.numel() == 0:
+        return NotImplemented
+    from torch._prims_common import get_computation_dtype
+
+    x = input.to(get_computation_dtype(input.dtype))
+    cg = c // groups
+    var_c, mean_c = torch.var_mean(x, dim=list(range(2, x.dim())), correction=0)
+    if cg == 1:  # a group per channel (InstanceNorm's statistics)
+        mean, var = mean_c, var_c
+    else:
+        means = mean_c.view(n, groups, cg)
+        mean = means.mean(-1)
+        var = (var_c.view(n, groups, cg) + (means - mean[..., None]).square()).mean(-1)
+    rstd = torch.rsqrt(var + eps)
+    w = rstd[..., None].expand(n, groups, cg).reshape(n, c)
+    if weight is not None:
+        w = w * weight
+    b = -mean[..., None].expand(n, groups, cg).reshape(n, c) * w
+    if bias is not None:
+        b = b + bias
+    spatial = (1,) * (x.dim() - 2)
+    out = x * w.view(n, c, *spatial) + b.view(n, c, *spatial)
+    return out.to(input.dtype), mean.to(input.dtype), rstd.to(input.dtype)
 
 
 def _lstm(decompose: Callable[..., Any], *args: Any) -> Any:
