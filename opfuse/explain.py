@@ -39,6 +39,7 @@ def make_report(
     """The report of one compiled graph. `copied`: data-movement ops (cat, pad, flip, ...)
     that no kernel reads through, which the plan runs with torch."""
     groups: list[GroupReport] = []
+    owned = {n for g in part.groups for n in g.nodes} | set(copied)  # (torch copies them)
     bytes_before = bytes_after = 0
     launches = 0
     for g in part.groups:
@@ -75,6 +76,7 @@ def make_report(
                 bytes_saved=sum(2 * n.tensor.nbytes for n in saved),
                 implementation=implementation,
                 source_code=_extract(source, kernel) if k is not None else "",
+                reads_through=[n.op for n in _read_through(g, owned)] if fused else [],
             )
         )
         for n in g.nodes:
@@ -108,6 +110,23 @@ def make_report(
         edges=_edges(graph, part),
         fusions=[[a, b] for a, b in part.fusions],
     )
+
+
+def _read_through(g: Group, owned: set[Node]) -> list[Node]:
+    """The copies (cat, pad, flip, ...) in no group that g's kernel computes where it reads
+    them, found through views and through each other."""
+    out: list[Node] = []
+    stack = [i for n in g.nodes for i in n.inputs()]
+    seen: set[Node] = set()
+    while stack:
+        n = stack.pop()
+        if n in seen or n in owned or info(n.op).kind != Kind.INJECTIVE:
+            continue
+        seen.add(n)
+        if info(n.op).copies:
+            out.append(n)
+        stack.extend(n.inputs())
+    return sorted(out, key=lambda n: n.name)
 
 
 def _edges(graph: Graph, part: Partition) -> list[EdgeReport]:

@@ -38,7 +38,7 @@ from .progress import Progress
 from .report import FoldReport, FusionReport, RejectReport
 from .rewrite.attention import fuse_attention
 from .rewrite.batchnorm import Fold, Refusal, fold_batchnorm, lower_batchnorm
-from .rewrite.cleanup import fold_constants, split_to_views
+from .rewrite.cleanup import copies_in_kernels, fold_constants, split_to_views
 from .rewrite.layout import channels_last
 from .rewrite.random import random_in_kernels
 from .runtime import Runtime
@@ -182,6 +182,7 @@ def rewrite(graph: Graph, opts: Options) -> Rewritten:
     random: list[str] = []
     if opts.random == "kernel":
         graph, random = random_in_kernels(graph)
+    graph = copies_in_kernels(graph)
     return Rewritten(graph, folds, refusals, layout, attention, random)
 
 

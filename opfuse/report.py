@@ -23,6 +23,9 @@ class GroupReport:
     bytes_saved: int = 0  # intermediate traffic (write + read) the fusion avoids
     implementation: str = ""  # which implementation runs (epilogues) and why
     source_code: str = ""  # generated kernel source
+    # copies eager makes (cat, pad, flip, nearest upsampling) the kernel computes where it
+    # reads them: absorbed, never written
+    reads_through: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -138,6 +141,9 @@ def format_table(r: FusionReport, width: int = 100) -> str:
         if len(text) > width:
             text = text[: width - 3] + "..."
         lines.append(text)
+        if g.reads_through:
+            through = ", ".join(_short(o) for o in g.reads_through)
+            lines.append(f"{'':>5}{'':<14} reads through: {through}")
         if g.reason:
             lines.append(f"{'':>5}{'':<14} why: {g.reason}")
     for f in r.folds:

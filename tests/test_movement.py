@@ -34,6 +34,7 @@ def test_rotary_embedding_is_one_kernel() -> None:
     assert r.kernels_after == 1
     assert r.kernels_before == 5  # neg, cat, mul, mul, add (the chunk is views)
     assert {"neg", "mul", "add"} <= {o.split(".")[1] for o in r.groups[0].ops}
+    assert r.groups[0].reads_through == ["aten.cat.default"]
 
 
 def test_cat_along_channels_feeds_the_activation() -> None:
@@ -157,14 +158,33 @@ def test_unbind_and_split_pieces_fuse() -> None:
     assert all(g.pattern != "fallback" for g in r.groups)
 
 
-def test_lone_movement_runs_with_torch_and_is_reported() -> None:
-    # a cat and a flip between two library calls: nothing to fuse, torch copies them
+def test_movement_read_whole_is_one_copy_kernel() -> None:
+    # a cat and a flip between two library calls: torch copied each (two passes); one copy
+    # kernel now reads through both
     r = compiled(
         lambda x, y: torch.cat([x @ y, y], 0).flip(0) @ y, torch.randn(8, 8), torch.randn(8, 8)
     )
-    copies = [g for g in r.groups if "copied with torch" in g.reason]
-    assert sorted(g.ops[0] for g in copies) == ["aten.cat.default", "aten.flip.default"]
-    assert r.kernels_before == r.kernels_after == 4
+    assert not [g for g in r.groups if "copied with torch" in g.reason]
+    assert [g.pattern for g in r.groups] == ["library", "elementwise", "library"]
+    assert r.groups[1].ops == ["aten.clone.default"]
+    assert r.kernels_before == 4 and r.kernels_after == 3
+
+
+def test_upsampled_skip_concatenation_is_one_pass() -> None:
+    # a UNet decoder's input: torch upsampled, then concatenated (two copies of the big map)
+    conv = torch.nn.Conv2d(8, 4, 3, padding=1)
+    r = compiled(
+        lambda x, s: conv(torch.cat([F.interpolate(x, scale_factor=2), s.relu()], 1)),
+        torch.randn(2, 4, 6, 5),
+        torch.randn(2, 4, 12, 10),
+    )
+    assert r.kernels_after == 2
+    assert not [g for g in r.groups if g.pattern == "fallback"]
+    assert set(r.groups[0].reads_through) == {
+        "aten.cat.default",
+        "aten.upsample_nearest2d.default",
+    }
+    assert "reads through: cat, upsample_nearest2d" in str(r)
 
 
 def test_cat_and_pad_under_training() -> None:

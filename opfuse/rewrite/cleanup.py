@@ -1,13 +1,14 @@
 """Constant folding: pointwise ops and views whose inputs are all frozen constants are
 evaluated once at compile time (e.g. the per-channel scale of an inference BatchNorm).
-Splits become slices: each piece of split/chunk/unbind is a view kernels read through."""
+Splits become slices: each piece of split/chunk/unbind is a view kernels read through.
+Copies a library call or the caller reads whole become kernels (`copies_in_kernels`)."""
 
 from __future__ import annotations
 
 import torch
 
 from ..ir.graph import CONSTANT, GETITEM, Graph, GraphBuilder, Node, TensorMeta, bind
-from ..ir.ops import info
+from ..ir.ops import VIEW_OPS, Kind, info, reads_through
 
 MAX_FOLD_NUMEL = 1 << 22
 MAX_GENERATED_NUMEL = 1 << 12  # tensors made from nothing (full, scalar_tensor) fold if small
@@ -81,3 +82,45 @@ def _sub(v: object, b: GraphBuilder, values: dict[Node, torch.Tensor]) -> object
     if isinstance(v, (list, tuple)):
         return type(v)(_sub(x, b, values) for x in v)
     return v
+
+
+def copies_in_kernels(graph: Graph) -> Graph:
+    """A cat, pad, flip or nearest upsampling that a convolution, matmul, torch op or the
+    caller reads whole is read through by a copy (`clone`) in front of that reader, which
+    the fusion pass treats like any pointwise op: the kernel that writes it also computes
+    its pointwise producers and the copies it reads (a UNet decoder's cat of an upsampled
+    map: one pass where torch made two). A copy kernels cannot read through (a cat of many
+    inputs) stays torch's."""
+    b = GraphBuilder().copy_from(graph)
+    aten = torch.ops.aten
+    clones: dict[Node, Node] = {}
+
+    def clone_of(a: Node) -> Node | None:
+        root = a
+        while root.op in VIEW_OPS and isinstance(root.args[0], Node):
+            root = root.args[0]
+        row = info(root.op)
+        if not row.copies or not (reads_through(root) or row.index is not None):
+            return None
+        if a not in clones:
+            clones[a] = b.call(aten.clone.default, b.get(a), source=a.source)
+        return clones[a]
+
+    for n in graph.nodes:
+        if info(n.op).kind not in (Kind.ANCHOR, Kind.OPAQUE) or n.op == GETITEM:
+            b.copy(n)
+            continue
+        saved = {}
+        for a in dict.fromkeys(n.inputs()):
+            c = clone_of(a)
+            if c is not None:
+                saved[a] = b.get(a)
+                b.replace(a, c)
+        b.copy(n)
+        for a, v in saved.items():
+            b.replace(a, v)
+    outs = []
+    for o in graph.outputs:
+        c = clone_of(o) if isinstance(o, Node) and isinstance(o.meta, TensorMeta) else None
+        outs.append(c if c is not None else o)
+    return b.build(outs)
