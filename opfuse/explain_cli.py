@@ -91,6 +91,10 @@ def _setup(args: argparse.Namespace) -> tuple[torch.nn.Module, tuple[Any, ...]]:
     return model, tuple(parse_input(s, args.dtype) for s in args.input)
 
 
+def _short(op: str) -> str:
+    return op.split(".")[1] if "." in op else op
+
+
 def print_report(report: FusionReport) -> None:
     """A rich table (colours, fitted to the terminal) when rich is installed."""
     try:
@@ -106,13 +110,20 @@ def print_report(report: FusionReport) -> None:
         title=f"opfuse: {report.kernels_before} kernels before -> {report.kernels_after} after",
         expand=False,
     )
-    for col in ("#", "pattern", "kernel", "ops", "modules"):
+    for col in ("#", "pattern", "kernel", "ops", "modules", "why / how"):
         t.add_column(col, overflow="fold")
     for g in report.groups:
         color = COLORS.get(g.pattern, "#eeeeee")
         ops = ", ".join(o.split(".")[1] if "." in o else o for o in g.ops)
+        if g.reads_through:
+            ops += " [dim](reads through " + ", ".join(_short(o) for o in g.reads_through) + ")[/]"
         t.add_row(
-            str(g.id), f"[black on {color}]{g.pattern}[/]", g.kernel, ops, ", ".join(g.modules)
+            str(g.id),
+            f"[black on {color}]{g.pattern}[/]",
+            g.kernel,
+            ops,
+            ", ".join(g.modules),
+            g.reason or g.implementation,
         )
     console.print(t)
     for f in report.folds:

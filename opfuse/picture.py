@@ -171,6 +171,8 @@ def _rows(groups: Sequence[GroupReport]) -> str:
     for g in groups:
         color = COLORS.get(g.pattern, "#eee")
         ops = ", ".join(_short(o) for o in g.ops)
+        if g.reads_through:
+            ops += " (reads through " + ", ".join(_short(o) for o in g.reads_through) + ")"
         mods = ", ".join(g.modules)
         out.append(
             "<tr>"
