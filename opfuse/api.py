@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,8 +42,15 @@ def _as_args(example_inputs: Any) -> tuple[Any, ...]:
 
 def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
     sig: list[Any] = []
-    for v in leaves:
+    first: dict[int, int] = {}  # id of a tensor -> the leaf it first appeared as
+    for k, v in enumerate(leaves):
         if isinstance(v, torch.Tensor):
+            # torch.export traces a tensor passed twice as one input: that graph reads the
+            # first leaf for both, and must not serve a call with two different tensors
+            seen = first.setdefault(id(v), k)
+            if seen != k:
+                sig.append(("same tensor as input", seen))
+                continue
             sig.append(("tensor", tuple(v.shape), tuple(v.stride()), v.dtype, str(v.device)))
         else:
             try:
@@ -63,6 +71,12 @@ def _describe_mismatch(new: tuple[Any, ...], known: tuple[Any, ...]) -> str:
             for what, i in (("shape", 1), ("strides", 2), ("dtype", 3), ("device", 4)):
                 if a[i] != b[i]:
                     return f"input {k} has {what} {_fmt(a[i])}, compiled for {_fmt(b[i])}"
+        if "same tensor as input" in (a[0], b[0]):
+
+            def says(x: Any) -> str:
+                return f"the same tensor as input {x[1]}" if x[0] != "tensor" else "its own tensor"
+
+            return f"input {k} is {says(a)}, compiled for {says(b)}"
         return f"input {k} is {a[2]!r}, compiled for {b[2]!r}"
     return "inputs differ"
 
@@ -99,6 +113,25 @@ class CompiledModule(torch.nn.Module):
     def report(self) -> FusionReport:
         """The FusionReport of the first compiled signature."""
         return self._first.report
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> CompiledModule:
+        """An independent copy (EMA weights, trainers that copy their model): the model and
+        the buffers the graphs update are copied; the compiled kernels, which hold ctypes
+        functions and change nothing, are shared."""
+        new = CompiledModule.__new__(CompiledModule)
+        torch.nn.Module.__init__(new)
+        new.__dict__["_model"] = copy.deepcopy(self.__dict__["_model"], memo)
+        new._options, new._recompile = self._options, self._recompile
+        new._kw_order = list(self._kw_order)
+        new._lock, new._dynamo = threading.Lock(), None
+        new._entries = {}
+        for sig, e in self._entries.items():
+            state = {k: v.clone() for k, v in e.captured.state.items()}
+            entry = _Entry(dataclasses.replace(e.captured, state=state), e.compiled, e.report)
+            new._entries[sig] = entry
+            if e is self._first:
+                new._first = entry
+        return new
 
     def _flat(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):

@@ -403,3 +403,39 @@ def test_lstm_runs_onednn_layers_next_to_a_gru() -> None:
     ops = [op for g in fast.report.groups for op in g.ops]
     assert ops.count("aten.mkldnn_rnn_layer.default") == 4
     assert "aten.addmm.default" not in ops
+
+
+def test_a_tensor_passed_twice_does_not_serve_two_tensors() -> None:
+    # torch.export traces (x, x) as one input: the graph reads the first for both
+    class Two(nn.Module):
+        def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            return a * 2 + b.sin()
+
+    m = Two().eval()
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    fast = opfuse.compile(m, (x, x))
+    torch.testing.assert_close(fast(x, x), m(x, x))
+    torch.testing.assert_close(fast(x, y), m(x, y))  # a new signature: compiled again
+    strict = opfuse.compile(m, (x, x), recompile=False)
+    with pytest.raises(opfuse.RecompileError, match="the same tensor as input 0"):
+        strict(x, y)
+
+
+def test_deepcopy_of_a_compiled_module_is_independent() -> None:
+    class Steps(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return self.lin(x).relu() * self.calls
+
+    x = torch.randn(3, 4)
+    fast = opfuse.compile(Steps().eval(), (x,))
+    first = fast(x)
+    twin = copy.deepcopy(fast)
+    torch.testing.assert_close(twin(x), fast(x))  # both at their second call
+    torch.testing.assert_close(fast(x), first * 3)
+    torch.testing.assert_close(twin(x), first * 3)
