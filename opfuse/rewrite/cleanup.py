@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from ..fusion.classify import SUPPORTED_DTYPES
 from ..ir.graph import CONSTANT, GETITEM, Graph, GraphBuilder, Node, TensorMeta, bind
 from ..ir.ops import VIEW_OPS, Kind, info, reads_through
 
@@ -102,6 +103,11 @@ def copies_in_kernels(graph: Graph) -> Graph:
         row = info(root.op)
         if not row.copies or not (reads_through(root) or row.index is not None):
             return None
+        m = a.meta
+        if not isinstance(m, TensorMeta) or m.device != "cpu" or m.numel == 0:
+            return None  # the C kernels run on the CPU; elsewhere torch's copy stays
+        if m.dtype not in SUPPORTED_DTYPES:
+            return None
         if a not in clones:
             clones[a] = b.call(aten.clone.default, b.get(a), source=a.source)
         return clones[a]
@@ -121,6 +127,6 @@ def copies_in_kernels(graph: Graph) -> Graph:
             b.replace(a, v)
     outs = []
     for o in graph.outputs:
-        c = clone_of(o) if isinstance(o, Node) and isinstance(o.meta, TensorMeta) else None
+        c = clone_of(o) if isinstance(o, Node) else None
         outs.append(c if c is not None else o)
     return b.build(outs)
