@@ -14,6 +14,7 @@ kept whole so that `rewrite.fold_batchnorm` can fold it into the conv before it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import operator
 import os
@@ -186,12 +187,16 @@ def _group_norm(
     return out.to(input.dtype), mean.to(input.dtype), rstd.to(input.dtype)
 
 
+# Whether the caller had oneDNN on when capture began (torch.export turns it off inside).
+_ONEDNN = contextvars.ContextVar("opfuse_onednn", default=True)
+
+
 def _lstm(decompose: Callable[..., Any], *args: Any) -> Any:
     """LSTM layers as oneDNN's fused layer, as eager runs them. torch.export switches
     oneDNN off while it decomposes, and the decomposition then unrolls every time step
     into a matmul and gates (an LSTM and a GRU: 8 kernels -> 70)."""
     was = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(torch.backends.mkldnn.is_available())
+    torch._C._set_mkldnn_enabled(_ONEDNN.get() and torch.backends.mkldnn.is_available())
     try:
         return decompose(*args)
     finally:
@@ -272,6 +277,7 @@ def capture_module(
     kwargs = kwargs or {}
     box: list[structure.Spec] = []
     flat = _Flat(model, box)
+    _ONEDNN.set(torch._C._get_mkldnn_enabled())
     try:
         with warnings.catch_warnings():
             # torch.export's internals raise deprecation warnings users cannot act on, and
