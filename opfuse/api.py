@@ -72,13 +72,15 @@ def _describe_mismatch(new: tuple[Any, ...], known: tuple[Any, ...]) -> str:
                 if a[i] != b[i]:
                     return f"input {k} has {what} {_fmt(a[i])}, compiled for {_fmt(b[i])}"
         if "same tensor as input" in (a[0], b[0]):
-
-            def says(x: Any) -> str:
-                return f"the same tensor as input {x[1]}" if x[0] != "tensor" else "its own tensor"
-
-            return f"input {k} is {says(a)}, compiled for {says(b)}"
+            return f"input {k} is {_which(a)}, compiled for {_which(b)}"
         return f"input {k} is {a[2]!r}, compiled for {b[2]!r}"
     return "inputs differ"
+
+
+def _which(entry: tuple[Any, ...]) -> str:
+    if entry[0] != "tensor":
+        return f"the same tensor as input {entry[1]}"
+    return "its own tensor"
 
 
 def _fmt(v: Any) -> str:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .report import FusionReport
+from .report import FusionReport, short_name
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "float64": torch.float64,
@@ -91,10 +91,6 @@ def _setup(args: argparse.Namespace) -> tuple[torch.nn.Module, tuple[Any, ...]]:
     return model, tuple(parse_input(s, args.dtype) for s in args.input)
 
 
-def _short(op: str) -> str:
-    return op.split(".")[1] if "." in op else op
-
-
 def print_report(report: FusionReport) -> None:
     """A rich table (colours, fitted to the terminal) when rich is installed."""
     try:
@@ -114,9 +110,11 @@ def print_report(report: FusionReport) -> None:
         t.add_column(col, overflow="fold")
     for g in report.groups:
         color = COLORS.get(g.pattern, "#eeeeee")
-        ops = ", ".join(o.split(".")[1] if "." in o else o for o in g.ops)
+        ops = ", ".join(short_name(o) for o in g.ops)
         if g.reads_through:
-            ops += " [dim](reads through " + ", ".join(_short(o) for o in g.reads_through) + ")[/]"
+            ops += (
+                " [dim](reads through " + ", ".join(short_name(o) for o in g.reads_through) + ")[/]"
+            )
         t.add_row(
             str(g.id),
             f"[black on {color}]{g.pattern}[/]",

@@ -12,7 +12,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
-from .report import FusionReport, GroupReport
+from .report import FusionReport, GroupReport, short_name
 
 COLORS = {
     "elementwise": "#a6cee3",
@@ -26,13 +26,8 @@ COLORS = {
 IO_COLOR = "#ffffff"
 
 
-def _short(op: str) -> str:
-    parts = op.split(".")
-    return parts[1] if len(parts) > 1 else op
-
-
 def _label_lines(g: GroupReport) -> list[str]:
-    ops = list(dict.fromkeys(_short(o) for o in g.ops))
+    ops = list(dict.fromkeys(short_name(o) for o in g.ops))
     body = ", ".join(ops)
     lines = [f"#{g.id} {g.pattern}"]
     while body:
@@ -170,9 +165,9 @@ def _rows(groups: Sequence[GroupReport]) -> str:
     out = []
     for g in groups:
         color = COLORS.get(g.pattern, "#eee")
-        ops = ", ".join(_short(o) for o in g.ops)
+        ops = ", ".join(short_name(o) for o in g.ops)
         if g.reads_through:
-            ops += " (reads through " + ", ".join(_short(o) for o in g.reads_through) + ")"
+            ops += " (reads through " + ", ".join(short_name(o) for o in g.reads_through) + ")"
         mods = ", ".join(g.modules)
         out.append(
             "<tr>"

@@ -136,13 +136,13 @@ def format_table(r: FusionReport, width: int = 100) -> str:
         f"{'#':>3}  {'pattern':<14} {'kernel':<34} ops",
     ]
     for g in r.groups:
-        ops = ", ".join(_short(o) for o in g.ops)
+        ops = ", ".join(short_name(o) for o in g.ops)
         text = f"{g.id:>3}  {g.pattern:<14} {g.kernel[:34]:<34} {ops}"
         if len(text) > width:
             text = text[: width - 3] + "..."
         lines.append(text)
         if g.reads_through:
-            through = ", ".join(_short(o) for o in g.reads_through)
+            through = ", ".join(short_name(o) for o in g.reads_through)
             lines.append(f"{'':>5}{'':<14} reads through: {through}")
         if g.reason:
             lines.append(f"{'':>5}{'':<14} why: {g.reason}")
@@ -159,6 +159,7 @@ def format_table(r: FusionReport, width: int = 100) -> str:
     return "\n".join(lines)
 
 
-def _short(op: str) -> str:
+def short_name(op: str) -> str:
+    """'aten.add.Tensor' -> 'add' (ir.ops.short, without importing torch here)."""
     parts = op.split(".")
     return parts[1] if len(parts) > 1 else op

@@ -187,6 +187,14 @@ def test_upsampled_skip_concatenation_is_one_pass() -> None:
     assert "reads through: cat, upsample_nearest2d" in str(r)
 
 
+def test_copy_no_kernel_can_read_through_gets_no_copy_kernel() -> None:
+    # nearest upsampling by 3 is torch's kernel; a copy kernel after it would only copy
+    conv = torch.nn.Conv2d(4, 4, 3, padding=1)
+    r = compiled(lambda x: conv(F.interpolate(x, scale_factor=3)), torch.randn(2, 4, 6, 5))
+    assert r.kernels_before == r.kernels_after == 2
+    assert not any("aten.clone.default" in g.ops for g in r.groups)
+
+
 def test_cat_and_pad_under_training() -> None:
     class M(torch.nn.Module):
         def __init__(self) -> None:

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from .graph import bind
-from .index import Ix, delinearize, linearize
+from .graph import Node, bind
+from .index import Ix, Var, delinearize, linearize
 from .scalar import Expr, call, cast, const, position, where
 
 
@@ -700,7 +700,7 @@ def _loads(n: Any) -> int | None:
         along = {len(m.shape) - 1 - j // 2 for j, p in enumerate(bind(n)["pad"]) if p != 0}
     loads = []
     for i in n.inputs():
-        while info(i.op).kind == Kind.INJECTIVE and info(i.op).index and hasattr(i.args[0], "op"):
+        while info(i.op).index is not None and isinstance(i.args[0], Node):
             i = i.args[0]  # views and index maps: the same loads as their source
         loads.append(_loads(i) or 1)
     split = inner and along == {inner[0]}
@@ -708,16 +708,32 @@ def _loads(n: Any) -> int | None:
     return total if total <= MAX_GATHER_INPUTS else None
 
 
-# Ops torch runs whole by choice (capture keeps them from decomposing), by name prefix,
-# with what their decomposition measured: the report's reason for each such group.
+def computed_where_read(n: Any) -> bool:
+    """Can a kernel compute copy `n` where it reads it: a gather within the load limit, or
+    an index map that applies to n's arguments (nearest upsampling by 2, not by 3)?"""
+    row = info(n.op)
+    if row.gather is not None:
+        return reads_through(n)
+    if row.index is None:
+        return False
+    out = tuple(Ix.var(Var(f"i{d}", size)) for d, size in enumerate(n.meta.shape))
+    try:
+        row.index(out, *n.args, **n.kw)
+    except ValueError:
+        return False
+    return True
+
+
+# Ops torch runs whole by choice (capture keeps them from decomposing), by name prefix
+# (leading underscores dropped), with what their decomposition measured: the report's
+# reason for each such group.
 TORCH_KERNELS = {
     "upsample": "torch's upsampling kernel (decomposed: gathers with index tensors, 2-50x slower)",
-    "_upsample": "torch's upsampling kernel (decomposed: gathers with index tensors, 2-50x slower)",
     "reflection_pad": "torch's padding kernel (decomposed: index gathers, 20-30x slower)",
     "replication_pad": "torch's padding kernel (decomposed: index gathers, 20-30x slower)",
     "im2col": "torch's unfold kernel (decomposed: index gathers, 3-4x slower)",
     "col2im": "torch's fold kernel (decomposed: index gathers, 3-4x slower)",
-    "_scaled_dot_product_flash_attention": "torch's flash attention kernel (decomposed: 0.73-0.91x)",
+    "scaled_dot_product_flash_attention": "torch's flash attention kernel (decomposed: 0.73-0.91x)",
     "gru": "torch's recurrent layer (decomposed: a dozen ops per time step)",
     "rnn_": "torch's recurrent layer (decomposed: a dozen ops per time step)",
     "mkldnn_rnn_layer": "oneDNN's fused LSTM layer, as eager runs it",
@@ -726,7 +742,7 @@ TORCH_KERNELS = {
 
 def torch_kernel_reason(op: str) -> str | None:
     """Why torch runs `op` whole, if it is one of the ops kept from decomposing."""
-    name = short(op)
+    name = short(op).lstrip("_")
     return next((why for p, why in TORCH_KERNELS.items() if name.startswith(p)), None)
 
 

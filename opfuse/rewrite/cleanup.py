@@ -9,7 +9,7 @@ import torch
 
 from ..fusion.classify import SUPPORTED_DTYPES
 from ..ir.graph import CONSTANT, GETITEM, Graph, GraphBuilder, Node, TensorMeta, bind
-from ..ir.ops import VIEW_OPS, Kind, info, reads_through
+from ..ir.ops import VIEW_OPS, Kind, computed_where_read, info
 
 MAX_FOLD_NUMEL = 1 << 22
 MAX_GENERATED_NUMEL = 1 << 12  # tensors made from nothing (full, scalar_tensor) fold if small
@@ -91,7 +91,7 @@ def copies_in_kernels(graph: Graph) -> Graph:
     the fusion pass treats like any pointwise op: the kernel that writes it also computes
     its pointwise producers and the copies it reads (a UNet decoder's cat of an upsampled
     map: one pass where torch made two). A copy kernels cannot read through (a cat of many
-    inputs) stays torch's."""
+    inputs, nearest upsampling by 3) stays torch's."""
     b = GraphBuilder().copy_from(graph)
     aten = torch.ops.aten
     clones: dict[Node, Node] = {}
@@ -100,8 +100,7 @@ def copies_in_kernels(graph: Graph) -> Graph:
         root = a
         while root.op in VIEW_OPS and isinstance(root.args[0], Node):
             root = root.args[0]
-        row = info(root.op)
-        if not row.copies or not (reads_through(root) or row.index is not None):
+        if not info(root.op).copies or not computed_where_read(root):
             return None
         m = a.meta
         if not isinstance(m, TensorMeta) or m.device != "cpu" or m.numel == 0:
@@ -113,7 +112,7 @@ def copies_in_kernels(graph: Graph) -> Graph:
         return clones[a]
 
     for n in graph.nodes:
-        if info(n.op).kind not in (Kind.ANCHOR, Kind.OPAQUE) or n.op == GETITEM:
+        if info(n.op).kind not in (Kind.ANCHOR, Kind.OPAQUE):
             b.copy(n)
             continue
         saved = {}
