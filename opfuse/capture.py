@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch.utils import _pytree as pytree
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from . import structure
 from .ir.graph import GETITEM, INPUT, Graph, GraphBuilder, Source, TensorMeta
@@ -542,6 +543,12 @@ def _concrete(v: Any) -> Any:
 # -- fx -> Graph --------------------------------------------------------------------------
 def _meta(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
+        if free_unbacked_symbols(v):
+            # torch.unique, nonzero, masked_select...: kernels are compiled for one shape
+            raise CaptureError(
+                f"a tensor's shape {tuple(v.shape)} depends on the data (unique, nonzero, "
+                "boolean indexing...)"
+            )
         return TensorMeta.of(v)
     if isinstance(v, (tuple, list)):
         return tuple(_meta(x) for x in v)

@@ -182,6 +182,18 @@ def test_untraceable_model_falls_back_and_stays_correct() -> None:
         torch.testing.assert_close(fast(x), m(x))
 
 
+def test_data_dependent_shape_falls_back_and_stays_correct() -> None:
+    class Unique(nn.Module):  # export traces it, with an unbacked size: no static kernel
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.relu() + torch.unique(x.round()).numel()
+
+    m = Unique().eval()
+    with pytest.warns(RuntimeWarning, match="depends on the data"):
+        fast = opfuse.compile(m, (torch.randn(5, 8),))
+    for x in (torch.randn(5, 8), torch.randn(5, 8) * 9):
+        torch.testing.assert_close(fast(x), m(x))
+
+
 def test_a_compile_bug_falls_back_to_torch_compile(monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise IndexError("a bug in a later stage")
