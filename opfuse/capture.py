@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.utils import _pytree as pytree
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+from torch.utils import _pytree as pytree
 
 from . import structure
 from .ir.graph import GETITEM, INPUT, Graph, GraphBuilder, Source, TensorMeta

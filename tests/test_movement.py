@@ -406,3 +406,23 @@ def test_nested_gathers_count_every_load() -> None:
     assert r.kernels_after == 3
     r = compiled(lambda x: torch.cat([x[:1], x, x[-1:]], 0).relu(), torch.randn(5, 4, 6))
     assert r.kernels_after == 1
+
+
+def test_flattened_view_of_a_permuted_tensor_loops_over_its_dimensions() -> None:
+    # The qkv projection's gradient in training: three [batch, heads, tokens, head_dim]
+    # gradients stacked, permuted to [batch, tokens, 3, heads, head_dim] and flattened to
+    # [tokens, 3 * heads * head_dim] for the weight GEMM and the bias gradient's column
+    # sum. On the flattened column every index took x // 8, x % 8, (x // 8) % 4 and
+    # x // 32 and each load gathered; split into (3, 4, 8) loops they are all affine.
+    def qkv_grad(q, k, v):  # type: ignore[no-untyped-def]
+        g = torch.stack((q, k.transpose(-1, -2), v)).permute(1, 3, 0, 2, 4).reshape(2 * 6, 96)
+        return g, g.sum(0)
+
+    q, v = torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
+    k = torch.randn(2, 4, 8, 6)
+    m = Fn(qkv_grad).eval()
+    fast = opfuse.compile(m, (q, k, v))
+    assert_matches_eager(m, fast(q, k, v), (q, k, v))
+    assert fast.report.kernels_after == 1
+    src = fast._first.compiled.source
+    assert not re.search(r"\bx\d\) [/%]", src), src

@@ -15,6 +15,7 @@ from dataclasses import replace
 from ..ir.index import Ix, Var
 from ..ir.scalar import Expr, walk
 from .kernel import Kernel, Pass, Store
+from .refine import refine
 from .split import with_pieces
 
 # A reduction whose rows are too few to keep every thread busy splits each row.
@@ -58,6 +59,7 @@ def _mergeable(group: list[Var], v: Var, ixs: Sequence[Ix]) -> bool:
 
 
 def finalize(k: Kernel) -> Kernel:
+    k = refine(k, [ix for _, ix in accesses(k)], map_indices)
     ixs = [ix for _, ix in accesses(k)]
     outs = k.outputs
     primary_store: Ix | None = None

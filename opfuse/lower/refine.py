@@ -1,0 +1,69 @@
+"""Splitting loop variables that indices only take apart with // and %.
+
+A loop over a flattened view of a permuted tensor (the [tokens, 3 * heads * head_dim]
+gradient of a fused qkv projection, read from three [batch, heads, tokens, head_dim]
+gradients) indexes its inputs with x // 64, x % 64, (x // 64) % 12 and x // 768: every
+lane computes them and the loads gather element by element. Written as x = 64 * h + l,
+those become l and h % 12, h // 12 -- affine loads that vectorise -- and a second split
+of h removes the rest. The schedule then merges back whatever every access walks as one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from ..ir.index import FloorDiv, Ix, Mod, Var
+from .kernel import Kernel
+
+MAX_SPLITS = 8  # nested views rarely take a variable apart more than twice
+
+
+def refine(
+    k: Kernel, accesses: list[Ix], remap: Callable[[Kernel, Callable[[Ix], Ix]], Kernel]
+) -> Kernel:
+    """`k` with each variable that an index divides at a point its extent is a multiple of
+    split there (outer part first). `accesses` are k's index expressions; `remap(k, fix)`
+    applies an index rewrite to every index of k."""
+    for _ in range(MAX_SPLITS):
+        point = _split_point(accesses, (*k.outer, *k.inner))
+        if point is None:
+            break
+        v, m = point
+        hi, lo = Var(f"{v.name}h{m}", v.extent // m), Var(f"{v.name}l{m}", m)
+        env = {v: Ix.var(hi) * m + Ix.var(lo)}
+        k = remap(k, lambda ix, env=env: ix.substitute(env))
+        accesses = [ix.substitute(env) for ix in accesses]
+        k = replace(k, outer=_replaced(k.outer, v, hi, lo), inner=_replaced(k.inner, v, hi, lo))
+    return k
+
+
+def _replaced(vars_: tuple[Var, ...], v: Var, hi: Var, lo: Var) -> tuple[Var, ...]:
+    return tuple(x for u in vars_ for x in ((hi, lo) if u == v else (u,)))
+
+
+def _split_point(ixs: list[Ix], vars_: tuple[Var, ...]) -> tuple[Var, int] | None:
+    """(v, m): an index takes `c*v + r` apart at a multiple of c*m, with r inside [0, c)
+    (digits below v's) and m a proper divisor of v's extent."""
+    import math
+
+    loops = set(vars_)
+    stack = list(ixs)
+    while stack:
+        ix = stack.pop()
+        for atom, _ in ix.terms:
+            if not isinstance(atom, (FloorDiv, Mod)):
+                if not isinstance(atom, Var):
+                    stack.append(atom.x)
+                continue
+            stack.append(atom.x)
+            for term, c in atom.x.terms:
+                if not isinstance(term, Var) or term not in loops or c <= 0:
+                    continue
+                lo, top = (atom.x - Ix.var(term) * c).bounds()
+                if lo < 0 or top >= c:
+                    continue
+                m = atom.d // math.gcd(atom.d, c)
+                if 1 < m < term.extent and term.extent % m == 0:
+                    return term, m
+    return None
