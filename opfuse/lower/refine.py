@@ -10,7 +10,8 @@ of h removes the rest. The schedule then merges back whatever every access walks
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 
 from ..ir.index import FloorDiv, Ix, Mod, Var
@@ -32,10 +33,14 @@ def refine(
         v, m = point
         hi, lo = Var(f"{v.name}h{m}", v.extent // m), Var(f"{v.name}l{m}", m)
         env = {v: Ix.var(hi) * m + Ix.var(lo)}
-        k = remap(k, lambda ix, env=env: ix.substitute(env))
+        k = remap(k, functools.partial(_substitute, env=env))
         accesses = [ix.substitute(env) for ix in accesses]
         k = replace(k, outer=_replaced(k.outer, v, hi, lo), inner=_replaced(k.inner, v, hi, lo))
     return k
+
+
+def _substitute(ix: Ix, env: Mapping[Var, Ix]) -> Ix:
+    return ix.substitute(env)
 
 
 def _replaced(vars_: tuple[Var, ...], v: Var, hi: Var, lo: Var) -> tuple[Var, ...]:
