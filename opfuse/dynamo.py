@@ -88,6 +88,21 @@ def _compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callab
     return make_boxed_func(lambda *a: run(list(a)))
 
 
+def _forward_compiler(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
+) -> Callable[..., Any]:
+    """The forward's compiler. It also tells AOTAutograd that the backward donates no saved
+    tensor: the runtime reuses one only when nothing else holds it (reference counts), so
+    backward(retain_graph=True) stays legal. With donations listed, AOTAutograd refuses it
+    once the backward has been compiled by a plain backward() (inductor's compiled
+    backward happens to list none here)."""
+    context = torch._guards.TracingContext.try_get()
+    meta = getattr(context, "fw_metadata", None)
+    if meta is not None and hasattr(meta, "bw_donated_idxs"):
+        meta.bw_donated_idxs = []
+    return _compiler(gm, example_inputs)
+
+
 def opfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
     """The torch.compile backend: forward and backward graphs both go through opfuse."""
     from torch._dynamo.backends.common import aot_autograd
@@ -98,7 +113,7 @@ def opfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kw
         return min_cut_rematerialization_partition(joint, *args, **kwargs)
 
     backend = aot_autograd(
-        fw_compiler=_compiler,
+        fw_compiler=_forward_compiler,
         bw_compiler=_compiler,
         decompositions=decompositions(),
         partition_fn=partition,

@@ -59,6 +59,23 @@ def test_mlp_training_matches_eager() -> None:
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_backward_with_retain_graph_after_a_plain_backward() -> None:
+    # The backward is compiled by the first backward(); a later backward(retain_graph=True)
+    # (twice through one graph: GAN and multi-loss training) must still be legal.
+    torch._dynamo.reset()
+    m, ref = make_mlp(), make_mlp()
+    fwd = torch.compile(m, backend="opfuse")
+    fwd(torch.randn(4, 16)).sum().backward()
+    m.zero_grad()
+    x = torch.randn(4, 16)
+    y = fwd(x).pow(2).sum()
+    y.backward(retain_graph=True)
+    y.backward()
+    ref(x).pow(2).sum().backward()
+    for a, b in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(a.grad, 2 * b.grad, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_scaled_dot_product_attention_trains_like_eager(norm_first: bool) -> None:
     """F.scaled_dot_product_attention (here inside nn.TransformerEncoderLayer) keeps its
