@@ -412,17 +412,27 @@ def test_flattened_view_of_a_permuted_tensor_loops_over_its_dimensions() -> None
     # The qkv projection's gradient in training: three [batch, heads, tokens, head_dim]
     # gradients stacked, permuted to [batch, tokens, 3, heads, head_dim] and flattened to
     # [tokens, 3 * heads * head_dim] for the weight GEMM and the bias gradient's column
-    # sum. On the flattened column every index took x // 8, x % 8, (x // 8) % 4 and
-    # x // 32 and each load gathered; split into (3, 4, 8) loops they are all affine.
+    # sum. On the flattened column every index took x // 16, x % 16, (x // 16) % 4 and
+    # x // 64 and each load gathered; split into (3, 4, 16) loops they are all affine.
     def qkv_grad(q, k, v):  # type: ignore[no-untyped-def]
-        g = torch.stack((q, k.transpose(-1, -2), v)).permute(1, 3, 0, 2, 4).reshape(2 * 6, 96)
+        g = torch.stack((q, k.transpose(-1, -2), v)).permute(1, 3, 0, 2, 4).reshape(2 * 6, 192)
         return g, g.sum(0)
 
-    q, v = torch.randn(2, 4, 6, 8), torch.randn(2, 4, 6, 8)
-    k = torch.randn(2, 4, 8, 6)
+    q, v = torch.randn(2, 4, 6, 16), torch.randn(2, 4, 6, 16)
+    k = torch.randn(2, 4, 16, 6)
     m = Fn(qkv_grad).eval()
     fast = opfuse.compile(m, (q, k, v))
     assert_matches_eager(m, fast(q, k, v), (q, k, v))
     assert fast.report.kernels_after == 1
     src = fast._first.compiled.source
     assert not re.search(r"\bx\d\) [/%]", src), src
+
+
+def test_a_short_split_of_the_vector_loop_is_left_gathering() -> None:
+    # pixel shuffle by 2: the output's w takes the input apart as (w // 2, w % 2); split
+    # there, the vector loop would be 2 long
+    x = torch.randn(1, 8, 5, 6)
+    m = Fn(lambda x: F.pixel_shuffle(x, 2).relu()).eval()
+    fast = opfuse.compile(m, (x,))
+    assert_matches_eager(m, fast(x), (x,))
+    assert re.search(r"x\d\) % 2", fast._first.compiled.source)

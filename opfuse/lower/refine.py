@@ -11,6 +11,7 @@ of h removes the rest. The schedule then merges back whatever every access walks
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 
@@ -18,16 +19,24 @@ from ..ir.index import FloorDiv, Ix, Mod, Var
 from .kernel import Kernel
 
 MAX_SPLITS = 8  # nested views rarely take a variable apart more than twice
+# A variable an output walks with stride 1 is the vector loop's candidate: split it only
+# into parts a vector fills (16 floats), or a pixel shuffle's w -> (w // 2, w % 2) would
+# leave a vector loop of 2 where one of W*2 gathered before.
+MIN_UNIT_SPLIT = 16
 
 
 def refine(
-    k: Kernel, accesses: list[Ix], remap: Callable[[Kernel, Callable[[Ix], Ix]], Kernel]
+    k: Kernel,
+    accesses: list[Ix],
+    stores: list[Ix],
+    remap: Callable[[Kernel, Callable[[Ix], Ix]], Kernel],
 ) -> Kernel:
     """`k` with each variable that an index divides at a point its extent is a multiple of
-    split there (outer part first). `accesses` are k's index expressions; `remap(k, fix)`
-    applies an index rewrite to every index of k."""
+    split there (outer part first). `accesses` are k's index expressions, `stores` those
+    of its stores; `remap(k, fix)` applies an index rewrite to every index of k."""
     for _ in range(MAX_SPLITS):
-        point = _split_point(accesses, (*k.outer, *k.inner))
+        unit = {v for ix in stores for v in ix.variables() if abs(ix.coef(v)) == 1}
+        point = _split_point(accesses, (*k.outer, *k.inner), unit)
         if point is None:
             break
         v, m = point
@@ -35,6 +44,7 @@ def refine(
         env = {v: Ix.var(hi) * m + Ix.var(lo)}
         k = remap(k, functools.partial(_substitute, env=env))
         accesses = [ix.substitute(env) for ix in accesses]
+        stores = [ix.substitute(env) for ix in stores]
         k = replace(k, outer=_replaced(k.outer, v, hi, lo), inner=_replaced(k.inner, v, hi, lo))
     return k
 
@@ -47,11 +57,10 @@ def _replaced(vars_: tuple[Var, ...], v: Var, hi: Var, lo: Var) -> tuple[Var, ..
     return tuple(x for u in vars_ for x in ((hi, lo) if u == v else (u,)))
 
 
-def _split_point(ixs: list[Ix], vars_: tuple[Var, ...]) -> tuple[Var, int] | None:
+def _split_point(ixs: list[Ix], vars_: tuple[Var, ...], unit: set[Var]) -> tuple[Var, int] | None:
     """(v, m): an index takes `c*v + r` apart at a multiple of c*m, with r inside [0, c)
-    (digits below v's) and m a proper divisor of v's extent."""
-    import math
-
+    (digits below v's) and m a proper divisor of v's extent (at least MIN_UNIT_SPLIT if
+    an output walks v with stride 1)."""
     loops = set(vars_)
     stack = list(ixs)
     while stack:
@@ -69,6 +78,7 @@ def _split_point(ixs: list[Ix], vars_: tuple[Var, ...]) -> tuple[Var, int] | Non
                 if lo < 0 or top >= c:
                     continue
                 m = atom.d // math.gcd(atom.d, c)
-                if 1 < m < term.extent and term.extent % m == 0:
+                short = term in unit and m < MIN_UNIT_SPLIT
+                if 1 < m < term.extent and term.extent % m == 0 and not short:
                     return term, m
     return None

@@ -59,7 +59,8 @@ def _mergeable(group: list[Var], v: Var, ixs: Sequence[Ix]) -> bool:
 
 
 def finalize(k: Kernel) -> Kernel:
-    k = refine(k, [ix for _, ix in accesses(k)], map_indices)
+    stores = [s.index for p in k.passes for s in (*p.stores, *p.after)]
+    k = refine(k, [ix for _, ix in accesses(k)], stores, map_indices)
     ixs = [ix for _, ix in accesses(k)]
     outs = k.outputs
     primary_store: Ix | None = None
