@@ -17,6 +17,7 @@ from ..ir.scalar import Expr, walk
 from .kernel import Kernel, Pass, Store
 from .refine import refine
 from .split import with_pieces
+from .tile import tile_transposes
 
 # A reduction whose rows are too few to keep every thread busy splits each row.
 SPLIT_MAX_OUTER = 16
@@ -83,6 +84,7 @@ def finalize(k: Kernel) -> Kernel:
 
     k2 = replace(map_indices(k, fix), outer=tuple(new_outer), inner=tuple(new_inner))
     k2 = replace(k2, schedule=_choose(k2))
+    k2 = tile_transposes(k2, accesses(k2), map_indices)
     k2 = _variance_algorithm(k2)
     k2 = replace(k2, inplace=_inplace_pairs(k2))
     return with_pieces(k2)
