@@ -426,3 +426,19 @@ def test_conv_add_writes_over_a_dead_residual_only(layout: str, residual: str) -
         assert_matches_eager(m, fast(x, r), (x, r))
     assert len(ran) == 3 * len(donating)
     assert torch.equal(r, r_before)  # a caller's tensor is never written over
+
+
+@pytest.mark.parametrize("precision", ["highest", "high"])
+def test_float32_onednn_gemm_only_where_the_user_allows_less_precision(precision: str) -> None:
+    # oneDNN's packed float32 GEMM is faster here than MKL's but 2-3x further from float64:
+    # a candidate only below torch's "highest" float32 matmul precision
+    m = nn.Sequential(nn.Linear(64, 128), nn.Softmax(-1), nn.Linear(128, 32)).eval()
+    x = torch.randn(32, 64)
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        report = opfuse.explain(m, (x,))
+    finally:
+        torch.set_float32_matmul_precision(before)
+    timed = " ".join(g.implementation for g in report.groups if g.pattern == "library")
+    assert timed.count("onednn ") == (2 if precision == "high" else 0), timed
