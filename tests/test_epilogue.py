@@ -160,8 +160,10 @@ def test_report_says_which_implementation_and_why() -> None:
         "unfused",
         "mkl-unfused",
     )
-    for name in ("blocked", "unfused", "onednn", "mkl-unfused"):
+    for name in ("blocked", "unfused", "mkl-unfused"):
         assert name in g.implementation  # every candidate was timed
+    # oneDNN's float32 GEMM only below torch's "highest" matmul precision
+    assert "onednn" not in g.implementation
     # the decision is cached with the kernels: the second compile does not time again
     r2 = opfuse.explain(lin, torch.randn(64, 64))
     assert "cached decision" in anchored(r2, "gemm_epilogue")[0].implementation

@@ -75,7 +75,13 @@ def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candida
             except NotFusable as e:
                 notes.append(f"blocked GEMM: {e}")
         plan = match_onednn(graph, g.anchor, g.nodes)
-        if plan is not None and not _constant_weights(graph, g.anchor):
+        if plan is not None and _precise_gemm_only(g):
+            notes.append(
+                "oneDNN: its float32 GEMM is further from float64 than MKL's (allowed "
+                "below torch's 'highest' float32 matmul precision)"
+            )
+            plan = None
+        elif plan is not None and not _constant_weights(graph, g.anchor):
             notes.append("oneDNN: the weights are not frozen constants")
             plan = None
         elif plan is not None:
@@ -120,6 +126,17 @@ def _fast_float32() -> bool:
     against float64 is 2-3x MKL's at the maximum and 1.4-2.1x on average (GPT-2 b8 logits
     4.3e-4 where eager's are 1.8e-4), over what "highest" promises."""
     return torch.get_float32_matmul_precision() != "highest"
+
+
+def _precise_gemm_only(g: Group) -> bool:
+    """A float32 matmul epilogue at 'highest' precision: no oneDNN GEMM (convolutions run
+    oneDNN in eager too)."""
+    assert g.anchor is not None
+    return (
+        g.pattern == "gemm_epilogue"
+        and g.anchor.tensor.dtype == torch.float32
+        and not _fast_float32()
+    )
 
 
 def _constant_weights(graph: Graph, anchor: Node) -> bool:
