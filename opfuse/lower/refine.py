@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import replace
 
 from ..ir.index import FloorDiv, Ix, Mod, Var
@@ -42,15 +42,11 @@ def refine(
         v, m = point
         hi, lo = Var(f"{v.name}h{m}", v.extent // m), Var(f"{v.name}l{m}", m)
         env = {v: Ix.var(hi) * m + Ix.var(lo)}
-        k = remap(k, functools.partial(_substitute, env=env))
+        k = remap(k, functools.partial(Ix.substitute, env=env))
         accesses = [ix.substitute(env) for ix in accesses]
         stores = [ix.substitute(env) for ix in stores]
         k = replace(k, outer=_replaced(k.outer, v, hi, lo), inner=_replaced(k.inner, v, hi, lo))
     return k
-
-
-def _substitute(ix: Ix, env: Mapping[Var, Ix]) -> Ix:
-    return ix.substitute(env)
 
 
 def _replaced(vars_: tuple[Var, ...], v: Var, hi: Var, lo: Var) -> tuple[Var, ...]:
