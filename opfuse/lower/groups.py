@@ -66,8 +66,7 @@ def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candida
         ):
             if g.anchor.tensor.dtype == torch.float32:
                 cands["mkl-unfused"] = PackedThenKernel(g.anchor, unfused)
-            if g.anchor.tensor.dtype != torch.float32 or _fast_float32():
-                # (MKL's packed GEMM is float32 only)
+            if _onednn_gemm_allowed(g.anchor):
                 cands["onednn-unfused"] = PackedThenKernel(g.anchor, unfused, "onednn")
         if g.pattern == "gemm_epilogue":
             try:
@@ -75,7 +74,7 @@ def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candida
             except NotFusable as e:
                 notes.append(f"blocked GEMM: {e}")
         plan = match_onednn(graph, g.anchor, g.nodes)
-        if plan is not None and _precise_gemm_only(g):
+        if plan is not None and g.pattern == "gemm_epilogue" and not _onednn_gemm_allowed(g.anchor):
             notes.append(
                 "oneDNN: its float32 GEMM is further from float64 than MKL's (allowed "
                 "below torch's 'highest' float32 matmul precision)"
@@ -96,9 +95,9 @@ def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candida
         cands = {"torch": None}
         if a.op != "aten.bmm.default" and _constant_weights(graph, a):
             cands["mkl"] = OneDnnPlan(a, a)  # packed MKL GEMM, as inductor's freezing runs it
-            if a.tensor.dtype != torch.float32 or _fast_float32():
-                # MKL's packed GEMM is float32 only; oneDNN's packed one runs bfloat16 on
-                # AMX (BERT-base linears 15-35% faster than torch's addmm)
+            if _onednn_gemm_allowed(a):
+                # oneDNN's packed GEMM runs bfloat16 on AMX (BERT-base linears 15-35%
+                # faster than torch's addmm; MKL's packed GEMM is float32 only)
                 cands["onednn"] = OneDnnPlan(a, a)
         try:
             cands["blocked"] = lower_blocked(graph, a, [a], threads)
@@ -118,25 +117,15 @@ def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candida
     return {}, notes
 
 
-def _fast_float32() -> bool:
-    """May a float32 matmul run as oneDNN's packed GEMM? Only where the user allowed less
-    than full float32 matmul precision (torch.set_float32_matmul_precision "high" or
-    "medium"). Measured on AVX-512, BERT/GPT-2 linears (1024 x 768 x 3072 and 50257):
-    oneDNN 22.0 ms, torch's addmm 27.1, MKL's packed GEMM 26.9 -- but oneDNN's error
+def _onednn_gemm_allowed(anchor: Node) -> bool:
+    """May this matmul run as oneDNN's GEMM? Any dtype but float32; float32 only where the
+    user allowed less than full float32 matmul precision (torch.set_float32_matmul_precision
+    "high" or "medium"). Measured on AVX-512, BERT/GPT-2 linears (1024 x 768 x 3072 and
+    50257): oneDNN 22.0 ms, torch's addmm 27.1, MKL's packed GEMM 26.9 -- but oneDNN's error
     against float64 is 2-3x MKL's at the maximum and 1.4-2.1x on average (GPT-2 b8 logits
-    4.3e-4 where eager's are 1.8e-4), over what "highest" promises."""
-    return torch.get_float32_matmul_precision() != "highest"
-
-
-def _precise_gemm_only(g: Group) -> bool:
-    """A float32 matmul epilogue at 'highest' precision: no oneDNN GEMM (convolutions run
-    oneDNN in eager too)."""
-    assert g.anchor is not None
-    return (
-        g.pattern == "gemm_epilogue"
-        and g.anchor.tensor.dtype == torch.float32
-        and not _fast_float32()
-    )
+    4.3e-4 where eager's are 1.8e-4), over what "highest" promises. (Convolutions run
+    oneDNN in eager too.)"""
+    return anchor.tensor.dtype != torch.float32 or torch.get_float32_matmul_precision() != "highest"
 
 
 def _constant_weights(graph: Graph, anchor: Node) -> bool:

@@ -18,7 +18,8 @@ semantics, only syntax.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -157,3 +158,47 @@ class Kernel:
         costs more than it saves."""
         split = self.schedule in ("split", "columns_split")
         return split or self.outer_size * self.inner_size >= PARALLEL_MIN
+
+
+def map_indices(k: Kernel, fix: Callable[[Ix], Ix]) -> Kernel:
+    """k with `fix` applied to every index: loads, position tests, stores, guards."""
+    memo: dict[Expr, Expr] = {}
+
+    def expr(e: Expr) -> Expr:
+        hit = memo.get(e)
+        if hit is not None:
+            return hit
+        if e.op == "load":
+            buf, ix = e.value
+            new = Expr("load", (), e.dtype, (buf, fix(ix)))
+        elif e.op == "index":
+            new = Expr("index", (), e.dtype, fix(e.value))
+        elif e.args:
+            new = Expr(e.op, tuple(expr(a) for a in e.args), e.dtype, e.value)
+        else:
+            new = e
+        memo[e] = new
+        return new
+
+    passes = []
+    for p in k.passes:
+        passes.append(
+            Pass(
+                tuple(
+                    replace(
+                        a,
+                        value=expr(a.value),
+                        position=fix(a.position) if a.position is not None else None,
+                    )
+                    for a in p.accumulates
+                ),
+                tuple(_store(s, fix, expr) for s in p.stores),
+                tuple(_store(s, fix, expr) for s in p.after),
+            )
+        )
+    return replace(k, passes=tuple(passes), checks=tuple(expr(c) for c in k.checks))
+
+
+def _store(s: Store, fix: Callable[[Ix], Ix], expr: Callable[[Expr], Expr]) -> Store:
+    guard = fix(s.guard) if s.guard is not None else None
+    return Store(s.buffer, fix(s.index), expr(s.value), guard)

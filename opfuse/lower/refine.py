@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable
 from dataclasses import replace
 
 from ..ir.index import FloorDiv, Ix, Mod, Var
-from .kernel import Kernel
+from .kernel import Kernel, map_indices
 
 MAX_SPLITS = 8  # nested views rarely take a variable apart more than twice
 # A variable an output walks with stride 1 is the vector loop's candidate: split it only
@@ -25,15 +24,10 @@ MAX_SPLITS = 8  # nested views rarely take a variable apart more than twice
 MIN_UNIT_SPLIT = 16
 
 
-def refine(
-    k: Kernel,
-    accesses: list[Ix],
-    stores: list[Ix],
-    remap: Callable[[Kernel, Callable[[Ix], Ix]], Kernel],
-) -> Kernel:
+def refine(k: Kernel, accesses: list[Ix], stores: list[Ix]) -> Kernel:
     """`k` with each variable that an index divides at a point its extent is a multiple of
     split there (outer part first). `accesses` are k's index expressions, `stores` those
-    of its stores; `remap(k, fix)` applies an index rewrite to every index of k."""
+    of its stores."""
     for _ in range(MAX_SPLITS):
         unit = {v for ix in stores for v in ix.variables() if abs(ix.coef(v)) == 1}
         point = _split_point(accesses, (*k.outer, *k.inner), unit)
@@ -42,7 +36,7 @@ def refine(
         v, m = point
         hi, lo = Var(f"{v.name}h{m}", v.extent // m), Var(f"{v.name}l{m}", m)
         env = {v: Ix.var(hi) * m + Ix.var(lo)}
-        k = remap(k, functools.partial(Ix.substitute, env=env))
+        k = map_indices(k, functools.partial(Ix.substitute, env=env))
         accesses = [ix.substitute(env) for ix in accesses]
         stores = [ix.substitute(env) for ix in stores]
         k = replace(k, outer=_replaced(k.outer, v, hi, lo), inner=_replaced(k.inner, v, hi, lo))

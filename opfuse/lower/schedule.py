@@ -9,12 +9,12 @@ variables are then renamed x0.. (outer, parallel) and r0.. (inner, reduced).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
 from ..ir.index import Ix, Var
 from ..ir.scalar import Expr, walk
-from .kernel import Kernel, Pass, Store
+from .kernel import Kernel, map_indices
 from .refine import refine
 from .split import with_pieces
 from .tile import tile_transposes
@@ -61,7 +61,7 @@ def _mergeable(group: list[Var], v: Var, ixs: Sequence[Ix]) -> bool:
 
 def finalize(k: Kernel) -> Kernel:
     stores = [s.index for p in k.passes for s in (*p.stores, *p.after)]
-    k = refine(k, [ix for _, ix in accesses(k)], stores, map_indices)
+    k = refine(k, [ix for _, ix in accesses(k)], stores)
     ixs = [ix for _, ix in accesses(k)]
     outs = k.outputs
     primary_store: Ix | None = None
@@ -84,7 +84,7 @@ def finalize(k: Kernel) -> Kernel:
 
     k2 = replace(map_indices(k, fix), outer=tuple(new_outer), inner=tuple(new_inner))
     k2 = replace(k2, schedule=_choose(k2))
-    k2 = tile_transposes(k2, accesses(k2), map_indices)
+    k2 = tile_transposes(k2, accesses(k2))
     k2 = _variance_algorithm(k2)
     k2 = replace(k2, inplace=_inplace_pairs(k2))
     return with_pieces(k2)
@@ -278,46 +278,3 @@ def rewrite_ix(ix: Ix, rename: dict[Var, tuple[Var, int]]) -> Ix:
     for nv, c in merged.items():
         out = out + Ix.var(nv) * c
     return out
-
-
-def map_indices(k: Kernel, fix: Callable[[Ix], Ix]) -> Kernel:
-    memo: dict[Expr, Expr] = {}
-
-    def expr(e: Expr) -> Expr:
-        hit = memo.get(e)
-        if hit is not None:
-            return hit
-        if e.op == "load":
-            buf, ix = e.value
-            new = Expr("load", (), e.dtype, (buf, fix(ix)))
-        elif e.op == "index":
-            new = Expr("index", (), e.dtype, fix(e.value))
-        elif e.args:
-            new = Expr(e.op, tuple(expr(a) for a in e.args), e.dtype, e.value)
-        else:
-            new = e
-        memo[e] = new
-        return new
-
-    passes = []
-    for p in k.passes:
-        passes.append(
-            Pass(
-                tuple(
-                    replace(
-                        a,
-                        value=expr(a.value),
-                        position=fix(a.position) if a.position is not None else None,
-                    )
-                    for a in p.accumulates
-                ),
-                tuple(_store(s, fix, expr) for s in p.stores),
-                tuple(_store(s, fix, expr) for s in p.after),
-            )
-        )
-    return replace(k, passes=tuple(passes), checks=tuple(expr(c) for c in k.checks))
-
-
-def _store(s: Store, fix: Callable[[Ix], Ix], expr: Callable[[Expr], Expr]) -> Store:
-    guard = fix(s.guard) if s.guard is not None else None
-    return Store(s.buffer, fix(s.index), expr(s.value), guard)

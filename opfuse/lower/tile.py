@@ -11,27 +11,21 @@ square touches is read once and stays in L1 while the other TILE - 1 steps use i
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 
 from ..ir.index import Ix, Var
-from .kernel import Kernel
+from .kernel import Kernel, map_indices
 
 TILE = 16  # floats per 64-byte line: one vector of stores, one line per load row
 MIN_INPUT_BYTES = 1 << 20  # smaller inputs stay in L2 untiled (measured: 96x128x64 is fine)
 
 
-def tile_transposes(
-    k: Kernel,
-    accesses: list[tuple[str, Ix]],
-    remap: Callable[[Kernel, Callable[[Ix], Ix]], Kernel],
-) -> Kernel:
+def tile_transposes(k: Kernel, accesses: list[tuple[str, Ix]]) -> Kernel:
     """`k` walked in tiles when its vector variable reads a large input across lines and
     another variable reads it along them; `k` itself otherwise. `accesses` are k's
-    (buffer, index) reads, stores and position tests; `remap(k, fix)` rewrites every index
-    of k. Kernels with gathers keep their loops (the vector loop's cuts at a gather's
-    edges need its variable whole)."""
+    (buffer, index) reads, stores and position tests. Kernels with gathers keep their
+    loops (the vector loop's cuts at a gather's edges need its variable whole)."""
     if k.schedule != "pointwise" or len(k.outer) < 2 or k.checks:
         return k
     if not all(ix.is_affine() for _, ix in accesses):
@@ -56,7 +50,7 @@ def tile_transposes(
     v_hi, v_lo = Var(f"{vec.name}t", vec.extent // TILE), Var(f"{vec.name}u", TILE)
     env = {row: Ix.var(r_hi) * TILE + Ix.var(r_lo), vec: Ix.var(v_hi) * TILE + Ix.var(v_lo)}
     rest = tuple(v for v in k.outer[:-1] if v != row)
-    k = remap(k, partial(Ix.substitute, env=env))
+    k = map_indices(k, partial(Ix.substitute, env=env))
     # Tiles along the input's rows outermost: the input is read row block by row block
     # (16 pages at a time), the output written a line per row. The other order read every
     # input page once per column block: 4096x1024 transposed 6.6 ms, this order 4.1 ms.
