@@ -120,6 +120,9 @@ class Kernel:
     # pointwise only: the vector loop cut where a gather's position tests change answer;
     # () runs it whole with passes[0].stores
     pieces: tuple[Piece, ...] = ()
+    # the kernel run as these kernels, one after the other, each over one range of an outer
+    # variable with its position tests decided (lower/unswitch.py); () runs it whole
+    cases: tuple[Kernel, ...] = ()
     notes: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property

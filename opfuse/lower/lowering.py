@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 
-from ..ir.graph import GETITEM, Graph, Node, TensorMeta, bind
+from ..ir.graph import CONSTANT, GETITEM, Graph, Node, TensorMeta, bind
 from ..ir.index import Ix, Var, address, delinearize, linearize
 from ..ir.ops import Kind, info, is_generator, reads_through, short
 from ..ir.scalar import Expr, cast, const, opmath, walk
+from .constants import formula as constant_formula
 from .kernel import Accumulate, Buffer, Kernel, Pass, Store
 
 
@@ -177,6 +178,10 @@ class _Lowering:
         m = n.meta
         if not isinstance(m, TensorMeta):
             raise NotFusable(f"{n.name} is not a tensor")
+        if n.op == CONSTANT:
+            computed = constant_formula(self.g.constants[n.name], idx)
+            if computed is not None:
+                return computed
         buf = self.in_buffers.get(n)
         if buf is None:
             buf = Buffer(f"in{len(self.in_buffers)}", m.dtype, "in", n.name, m.shape, m.stride)

@@ -18,6 +18,7 @@ from .kernel import Kernel, map_indices
 from .refine import refine
 from .split import with_pieces
 from .tile import tile_transposes
+from .unswitch import unswitch
 
 # A reduction whose rows are too few to keep every thread busy splits each row.
 SPLIT_MAX_OUTER = 16
@@ -84,10 +85,16 @@ def finalize(k: Kernel) -> Kernel:
 
     k2 = replace(map_indices(k, fix), outer=tuple(new_outer), inner=tuple(new_inner))
     k2 = replace(k2, schedule=_choose(k2))
-    k2 = tile_transposes(k2, accesses(k2))
-    k2 = _variance_algorithm(k2)
     k2 = replace(k2, inplace=_inplace_pairs(k2))
-    return with_pieces(k2)
+    cases = unswitch(k2)
+    if cases:
+        return replace(_finish(k2), cases=tuple(_finish(c) for c in cases))
+    return _finish(k2)
+
+
+def _finish(k: Kernel) -> Kernel:
+    k = tile_transposes(k, accesses(k))
+    return with_pieces(_variance_algorithm(k))
 
 
 def _inplace_pairs(k: Kernel) -> tuple[tuple[str, str], ...]:

@@ -20,7 +20,7 @@ from ..ir.scalar import Expr, const, walk
 from .kernel import Kernel, Piece, Store
 
 MAX_PIECES = 9  # more pieces than this and the loop overhead outweighs what they save
-_CMP = ("lt", "le", "gt", "ge")
+_CMP = ("lt", "le", "gt", "ge", "eq", "ne")
 
 
 def split_vector_loop(k: Kernel) -> tuple[Piece, ...]:
@@ -29,7 +29,7 @@ def split_vector_loop(k: Kernel) -> tuple[Piece, ...]:
         return ()
     v = k.outer[-1]
     stores = k.passes[0].stores
-    cuts = sorted(c for c in _cuts(stores, v) if 0 < c < v.extent)
+    cuts = sorted(c for c in cuts_of([s.value for s in stores], v) if 0 < c < v.extent)
     if not cuts or len(cuts) + 1 > MAX_PIECES:
         return ()
     pieces = []
@@ -41,7 +41,7 @@ def split_vector_loop(k: Kernel) -> tuple[Piece, ...]:
             Store(
                 s.buffer,
                 s.index.substitute(env),
-                _fold(s.value, env, memo),
+                fold(s.value, env, memo),
                 s.guard.substitute(env) if s.guard is not None else None,
             )
             for s in stores
@@ -58,16 +58,20 @@ def _linear(ix: Ix, v: Var) -> tuple[int, int] | None:
     return c, ix.const
 
 
-def _cuts(stores: tuple[Store, ...], v: Var) -> set[int]:
-    """Iterations where a position test changes its answer or a clamp of the position
-    starts or stops being the identity."""
+def cuts_of(roots: list[Expr], v: Var) -> set[int]:
+    """Iterations of `v` where a position test in `roots` changes its answer or a clamp
+    of the position starts or stops being the identity."""
     out: set[int] = set()
-    for e in walk([s.value for s in stores]):
+    for e in walk(roots):
         if e.op in _CMP and e.args[0].op == "index" and e.args[1].op == "const":
             lin = _linear(e.args[0].value, v)
             if lin is not None:
                 c, k = lin
                 bound = int(e.args[1].value)
+                if e.op in ("eq", "ne"):  # c*v + k == bound at one iteration
+                    at = (bound - k) * c
+                    out.update((at, at + 1))
+                    continue
                 # c*v + k against bound: the answer flips between two integers
                 edge = bound - k if e.op in ("lt", "ge") else bound - k + 1
                 out.add(edge if c == 1 else 1 - edge)
@@ -92,7 +96,7 @@ def _clamps(ix: Ix) -> list[Clamp]:
     return out
 
 
-def _fold(e: Expr, env: dict[Var, Ix], memo: dict[Expr, Expr]) -> Expr:
+def fold(e: Expr, env: dict[Var, Ix], memo: dict[Expr, Expr]) -> Expr:
     """`e` over one piece: indices rewritten (clamps simplify by their bounds), position
     tests decided, `where`s on decided tests replaced by their branch."""
     hit = memo.get(e)
@@ -106,7 +110,7 @@ def _fold(e: Expr, env: dict[Var, Ix], memo: dict[Expr, Expr]) -> Expr:
     elif not e.args:
         new = e
     else:
-        args = tuple(_fold(a, env, memo) for a in e.args)
+        args = tuple(fold(a, env, memo) for a in e.args)
         folded = _simplify(e.op, args, e)
         new = folded if folded is not None else Expr(e.op, args, e.dtype, e.value)
     memo[e] = new
@@ -126,6 +130,8 @@ def _simplify(op: str, args: tuple[Expr, ...], e: Expr) -> Expr | None:
             "le": (hi <= b, lo > b),
             "gt": (lo > b, hi <= b),
             "ge": (lo >= b, hi < b),
+            "eq": (lo == hi == b, b < lo or b > hi),
+            "ne": (b < lo or b > hi, lo == hi == b),
         }[op]
         if answer[0] or answer[1]:
             return const(answer[0], torch.bool)

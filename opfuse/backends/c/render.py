@@ -44,6 +44,18 @@ def render_kernel(name: str, k: Kernel) -> str:
         lines.append(f"  {const}{t} *restrict {b.name} = ({const}{t} *)args[{i}];")
     lines.append("  int err = 0;")
     lines.append("  (void)nthreads;")
+    if not k.cases:
+        _body(k, lines)
+    for case in k.cases:  # one block each: their declarations must not meet
+        lines.append("  {")
+        _body(case, lines)
+        lines.append("  }")
+    lines.append("  return err;")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def _body(k: Kernel, lines: list[str]) -> None:
     if k.schedule == "pointwise":
         _pointwise(k, lines)
     elif k.schedule == "rows":
@@ -52,9 +64,6 @@ def render_kernel(name: str, k: Kernel) -> str:
         columns(k, lines, split=k.schedule == "columns_split")
     else:
         split(k, lines)
-    lines.append("  return err;")
-    lines.append("}")
-    return "\n".join(lines) + "\n"
 
 
 def _pointwise(k: Kernel, lines: list[str]) -> None:

@@ -1,0 +1,76 @@
+"""Outer loops cut where position tests on them change answer (loop unswitching).
+
+A cat, pad or stack along an outer dimension (an NCHW channel cat, the q/k/v gradients of
+an attention layer stacked into one [.., 3, ..] tensor) picks its input with a test on
+that dimension's position, and reads every input at every element: the test is not
+decided until the element is. The test's answer is the same for the whole loop nest
+below the dimension's variable, so the kernel runs as cases, one per range of that
+variable between the tests' boundaries: each case a loop nest of its own with the tests
+decided, the dead branches and their loads gone (lower/split.py does the same for a
+pointwise kernel's innermost loop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from ..ir.index import Ix, Var
+from ..ir.scalar import Expr, walk
+from .kernel import Accumulate, Kernel, Pass, Store
+from .split import cuts_of, fold
+
+MAX_CASES = 8  # more cases than this and the kernel's code grows more than it saves
+
+
+def unswitch(k: Kernel) -> tuple[Kernel, ...]:
+    """The cases `k` runs as, each a kernel over one range of an outer variable; () to run
+    it whole."""
+    if k.checks:
+        return ()
+    # The innermost outer variable of these schedules is the vector loop (split.py) or the
+    # block of column lanes: cutting it would cut the vectors.
+    vector = k.schedule in ("pointwise", "columns", "columns_split")
+    movable = k.outer[:-1] if vector else k.outer
+    roots = [e for p in k.passes for e in p.values]
+    before = _loads(roots)
+    for v in movable:
+        cuts = sorted(c for c in cuts_of(roots, v) if 0 < c < v.extent)
+        if not cuts or len(cuts) + 1 > MAX_CASES:
+            continue
+        cases = tuple(_case(k, v, lo, hi) for lo, hi in zip([0, *cuts], [*cuts, v.extent]))
+        # Worth it only where a case reads less than the whole kernel does.
+        if any(_loads([e for p in c.passes for e in p.values]) < before for c in cases):
+            return cases
+    return ()
+
+
+def _loads(roots: list[Expr]) -> int:
+    return len({e.value for e in walk(roots) if e.op == "load"})
+
+
+def _case(k: Kernel, v: Var, lo: int, hi: int) -> Kernel:
+    var = Var(v.name, hi - lo)
+    env = {v: Ix.var(var) + lo}
+    memo: dict[Expr, Expr] = {}
+
+    def ex(e: Expr) -> Expr:
+        return fold(e, env, memo)
+
+    def store(s: Store) -> Store:
+        guard = s.guard.substitute(env) if s.guard is not None else None
+        return Store(s.buffer, s.index.substitute(env), ex(s.value), guard)
+
+    def acc(a: Accumulate) -> Accumulate:
+        pos = a.position.substitute(env) if a.position is not None else None
+        return replace(a, value=ex(a.value), position=pos)
+
+    passes = tuple(
+        Pass(
+            tuple(acc(a) for a in p.accumulates),
+            tuple(store(s) for s in p.stores),
+            tuple(store(s) for s in p.after),
+        )
+        for p in k.passes
+    )
+    outer = tuple(var if u == v else u for u in k.outer)
+    return replace(k, outer=outer, passes=passes)
