@@ -45,6 +45,7 @@ def bench(args: argparse.Namespace) -> int:
         only=args.only,
         training=not args.no_training,
         memory=not args.no_memory,
+        matmul_precision=args.matmul_precision,
     )
 
 
@@ -74,6 +75,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--only", help="run the cases whose name contains this (or a group)")
     b.add_argument("--no-training", action="store_true", help="skip the training steps")
     b.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
+    b.add_argument(
+        "--matmul-precision",
+        choices=("highest", "high", "medium"),
+        default="highest",
+        help="torch.set_float32_matmul_precision for every candidate (below highest, "
+        "opfuse may choose oneDNN's faster, less exact float32 GEMM)",
+    )
     b.set_defaults(fn=bench)
     from opfuse.explain_cli import add_arguments
 

@@ -42,3 +42,21 @@ def test_settled_timing_runs_each_candidate_right_before_its_timed_call() -> Non
     )
     assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 3
     assert t["a"].reps == t["b"].reps == 3
+
+
+def test_the_table_says_where_the_time_went_and_under_which_matmul_precision() -> None:
+    from opfuse.bench.run import Result, _title, markdown
+
+    rows = [
+        Result("sum(relu(x)) 8M", "reduction", wall_seconds=30.0),
+        Result("mlp batch 1", "model", wall_seconds=60.0),
+        Result("mlp batch 8", "model", wall_seconds=60.0),
+    ]
+    assert "time spent: patterns 0.5 min, models 2.0 min" in markdown(rows, "t")
+    before = torch.get_float32_matmul_precision()
+    try:
+        assert "precision" not in _title(60.0)
+        torch.set_float32_matmul_precision("high")
+        assert "float32 matmul precision 'high'" in _title(60.0)
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -80,6 +80,7 @@ CASES = {
 }
 TRAINING = frozenset({"BatchNorm training step (32x64x56x56, conv-bn-relu x2)"})
 CANDIDATES = ("eager", "inductor", "inductor-freezing", "opfuse")
+PRECISION_ENV = "OPFUSE_BENCH_MATMUL_PRECISION"  # the parent's float32 matmul precision
 
 
 def child(case: str, candidate: str) -> dict[str, float]:
@@ -88,6 +89,7 @@ def child(case: str, candidate: str) -> dict[str, float]:
     import opfuse
     from opfuse.runtime import persistent_bytes
 
+    torch.set_float32_matmul_precision(os.environ.get(PRECISION_ENV, "highest"))
     start = _status()["VmRSS"]
     model, inputs, training = CASES[case]()
     t0 = time.perf_counter()

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .cases import Case, all_cases
+from .memory import PRECISION_ENV
 from .timing import Timing, time_interleaved
 
 
@@ -44,6 +45,7 @@ class Result:
     # the rest can give
     ceiling: float | None = None
     error: str = ""
+    wall_seconds: float = 0.0  # what the case took in all: compiles, checks, timing
 
     def speedup(self, base: str) -> float | None:
         if "opfuse" not in self.timings or base not in self.timings:
@@ -174,7 +176,12 @@ def run_inference(case: Case, reps: int, inductor: bool = True) -> Result:
         candidates["bare opfuse"] = lambda: bfast(*bi)
     # Whole models: each timed call right after an untimed one of the same candidate (see
     # timing.py); a micro case's working set is small next to what the rounds evict.
-    res.timings = time_interleaved(candidates, reps=reps, settle=1 if case.group == "model" else 0)
+    # A model's settling call before each timed one also does the warm-up's work (its
+    # weights back in cache); one warm-up call then pays the first call's one-time costs.
+    whole = case.group == "model"
+    res.timings = time_interleaved(
+        candidates, reps=reps, warmup=1 if whole else 3, settle=1 if whole else 0
+    )
     res.copy = res.timings.pop("copy", None)
     for k in ("torch", "opfuse"):
         t = res.timings.pop(f"bare {k}", None)
@@ -341,7 +348,23 @@ def markdown(results: list[Result], title: str) -> str:
                 )
         out.append("")
         out += _fresh_compile_table(mem)
+    out += _time_spent(results)
     return "\n".join(out)
+
+
+_PARTS = {"elementwise": "patterns", "reduction": "patterns", "gemm": "patterns"}
+
+
+def _time_spent(results: list[Result]) -> list[str]:
+    """Where the run's time went, per part of the suite (the whole run has a budget)."""
+    spent: dict[str, float] = {}
+    for r in results:
+        part = _PARTS.get(r.group, r.group + ("s" if r.group == "model" else ""))
+        spent[part] = spent.get(part, 0.0) + r.wall_seconds
+    if not any(spent.values()):
+        return []
+    parts = ", ".join(f"{k} {v / 60:.1f} min" for k, v in spent.items())
+    return [f"time spent: {parts}", ""]
 
 
 def _fresh_compile_table(mem: list[Result]) -> list[str]:
@@ -432,7 +455,13 @@ def main(
     only: str | None = None,
     training: bool = True,
     memory: bool = True,
+    matmul_precision: str = "highest",
 ) -> int:
+    # Every candidate runs under the same float32 matmul precision; below "highest" opfuse
+    # may pick oneDNN's faster, less exact float32 GEMM (see lower/groups.py). The memory
+    # rows' child processes inherit it through the environment.
+    torch.set_float32_matmul_precision(matmul_precision)
+    os.environ[PRECISION_ENV] = matmul_precision
     # Private caches: compile times are cold for both compilers, and the user's caches
     # are left alone.
     scratch = tempfile.mkdtemp(prefix="opfuse-bench-")
@@ -461,7 +490,9 @@ def main(
     d = Path(out) if out else None
     for name, group, job in jobs:
         print(f"... {name}", flush=True)
+        t0 = time.perf_counter()
         results.append(_guarded(name, group, job))
+        results[-1].wall_seconds = time.perf_counter() - t0
         if d is not None:  # partial results survive an interrupted run
             _write(d, results, elapsed=time.perf_counter() - t_start, final=False)
     elapsed = time.perf_counter() - t_start
@@ -485,7 +516,9 @@ def _guarded(name: str, group: str, job: Callable[[], Result]) -> Result:
 
 
 def _title(elapsed: float) -> str:
-    return f"opfuse bench ({machine()}; {elapsed / 60:.1f} min)"
+    precision = torch.get_float32_matmul_precision()
+    extra = f"; float32 matmul precision {precision!r}" if precision != "highest" else ""
+    return f"opfuse bench ({machine()}; {elapsed / 60:.1f} min{extra})"
 
 
 def _write(d: Path, results: list[Result], elapsed: float, final: bool) -> None:
