@@ -4,6 +4,7 @@ entry point, so it works without importing opfuse first."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -15,6 +16,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from .capture import capture_fx, decompositions, keep_whole
 from .explain import count_kernels
 from .pipeline import CompiledGraph, Options, compile_graph, warn_once
+from .replay import Facts, learn, twice_differentiable
 from .report import FusionReport
 from .rewrite.fx_layout import channels_last_convolutions
 
@@ -89,17 +91,19 @@ def _compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callab
 
 
 def _forward_compiler(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any]
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], facts: Facts
 ) -> Callable[..., Any]:
     """The forward's compiler. It also tells AOTAutograd that the backward donates no saved
     tensor: the runtime reuses one only when nothing else holds it (reference counts), so
     backward(retain_graph=True) stays legal. With donations listed, AOTAutograd refuses it
     once the backward has been compiled by a plain backward() (inductor's compiled
-    backward happens to list none here)."""
+    backward happens to list none here). And it notes whether the graph can be replayed
+    for a double backward (replay.py)."""
     context = torch._guards.TracingContext.try_get()
     meta = getattr(context, "fw_metadata", None)
     if meta is not None and hasattr(meta, "bw_donated_idxs"):
         meta.bw_donated_idxs = []
+    learn(facts, gm)
     return _compiler(gm, example_inputs)
 
 
@@ -112,8 +116,9 @@ def opfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kw
         _save_compared(joint.graph)
         return min_cut_rematerialization_partition(joint, *args, **kwargs)
 
+    facts = Facts()
     backend = aot_autograd(
-        fw_compiler=_forward_compiler,
+        fw_compiler=functools.partial(_forward_compiler, facts=facts),
         bw_compiler=_compiler,
         decompositions=decompositions(),
         partition_fn=partition,
@@ -122,10 +127,10 @@ def opfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kw
     with keep_whole():
         if relaid is not None:
             try:
-                return backend(relaid, example_inputs)
+                return twice_differentiable(backend(relaid, example_inputs), relaid, facts)
             except Exception as e:  # a view only NCHW allows: trace the graph as it was
                 log.debug("channels-last declined: %s: %s", type(e).__name__, e)
-        return backend(gm, example_inputs)
+        return twice_differentiable(backend(gm, example_inputs), gm, facts)
 
 
 def _save_compared(graph: torch.fx.Graph) -> None:
