@@ -452,3 +452,65 @@ def test_large_transposing_copies_walk_tiles(perm: tuple[int, int, int]) -> None
     assert fast.report.kernels_after == 1
     tiled = "u < 16; " in fast._first.compiled.source
     assert tiled == (perm[-1] != 2)
+
+
+def test_writes_to_slices_inside_forward_are_read_through() -> None:
+    # functionalised, `y[:, :4] = y[:, :4] * 2` and `z[..., 1::2] += 1` are slice_scatters:
+    # the kernels compute them where they read them instead of torch copying twice each
+    lin = torch.nn.Linear(16, 16)
+
+    def f(x):  # type: ignore[no-untyped-def]
+        y = lin(x)
+        y[:, :4] = y[:, :4] * 2
+        z = y.clone()
+        z[..., 1::2] += 1.0
+        return torch.relu(z)
+
+    r = compiled(f, torch.randn(4, 16))
+    assert r.kernels_before == 7
+    assert r.kernels_after == 2  # the linear, then one kernel
+    assert all(g.pattern != "fallback" for g in r.groups)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    dim=st.integers(0, 1),
+    start=st.integers(-9, 9) | st.none(),
+    end=st.integers(-9, 9) | st.none(),
+    step=st.integers(1, 3),
+)
+def test_slice_scatter_matches_eager(dim: int, start, end, step: int) -> None:  # type: ignore[no-untyped-def]
+    x = torch.randn(7, 9)
+    idx = [slice(None)] * 2
+    idx[dim] = slice(start, end, step)
+    src = x[tuple(idx)]
+
+    def f(x, src):  # type: ignore[no-untyped-def]
+        return torch.slice_scatter(x.sin(), src * 3, dim, start, end, step) + 1
+
+    compiled(f, x, src.clone())
+
+
+def test_the_gradient_of_a_slice_fuses_into_the_backward_kernel() -> None:
+    # slice_backward is zeros + slice_scatter: read through, no torch copy in the backward
+    from opfuse.dynamo import collect_reports
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(16, 32)
+
+    class M(torch.nn.Module):
+        def forward(self, x):  # type: ignore[no-untyped-def]
+            y = lin(x)
+            return (y[:, 2:10].relu() * 3).sum() + y[:, 20:].tanh().sum()
+
+    x = torch.randn(8, 16)
+    report = collect_reports(M(), (x,), {}, backward=True)
+    assert not [g for g in report.groups if g.pattern == "fallback"]
+    lin.zero_grad()
+    M()(x).backward()
+    want = [p.grad.clone() for p in lin.parameters()]
+    lin.zero_grad()
+    torch._dynamo.reset()
+    torch.compile(M(), backend="opfuse")(x).backward()
+    for p, w in zip(lin.parameters(), want, strict=True):
+        torch.testing.assert_close(p.grad, w)

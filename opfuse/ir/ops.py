@@ -434,6 +434,51 @@ def gather_pad(
     return v if inside is None else where(inside, v, fill)
 
 
+def slice_bounds(start: int | None, end: int | None, size: int) -> tuple[int, int]:
+    """[start, end) of a slice of `size` elements, as torch clamps it."""
+    lo = 0 if start is None else start + size if start < 0 else start
+    hi = size if end is None else end + size if end < 0 else end
+    lo = min(max(lo, 0), size)
+    return lo, min(max(hi, lo), size)
+
+
+def gather_slice_scatter(
+    read: Read,
+    out: tuple[Ix, ...],
+    self: Any,
+    src: Any,
+    dim: int = 0,
+    start: int | None = None,
+    end: int | None = None,
+    step: int = 1,
+) -> Expr:
+    """`self` with slice [start:end:step] of `dim` replaced by `src`: what an in-place write
+    to a slice becomes once functionalised, and the gradient of a slice (into zeros)."""
+    d = _norm_dim(dim, len(out))
+    lo, hi = slice_bounds(start, end, _shape(self)[d])
+    n = _shape(src)[d]
+    if n == 0:
+        return read(self, out)
+    i = out[d]
+    pos = position(i)
+    tests = ([pos >= lo] if lo > 0 else []) + ([pos < hi] if hi < _shape(self)[d] else [])
+    if step == 1:
+        at = _wrapped(i, lo, n)
+    else:
+        # i - lo, shifted by whole steps to stay >= 0 (C's / and % truncate negatives)
+        k = -(-lo // step)
+        shifted = i + (k * step - lo)
+        tests.append(call("eq", position(shifted % step), 0))
+        at = (shifted // step - k).clamp(n - 1)
+    v = read(src, (*out[:d], at, *out[d + 1 :]))
+    if not tests:
+        return v
+    inside = tests[0]
+    for t in tests[1:]:
+        inside = call("and", inside, t)
+    return where(inside, v, read(self, out))
+
+
 # -- the table -----------------------------------------------------------------
 E = Kind.ELEMENTWISE  # BROADCAST is decided per node, from shapes (fusion/classify.py)
 
@@ -628,6 +673,7 @@ OPS: dict[str, OpInfo] = {
     "aten.upsample_nearest2d.default": copy_view(ix_upsample_nearest),
     "aten.cat.default": gather(gather_cat),
     "aten.constant_pad_nd.default": gather(gather_pad),
+    "aten.slice_scatter.default": gather(gather_slice_scatter),
     "getitem": OpInfo(Kind.INJECTIVE),
     # reductions
     "aten.sum.dim_IntList": red("sum"),
@@ -694,7 +740,7 @@ def _loads(n: Any) -> int | None:
     inner = [d for d in range(len(m.shape)) if m.stride[d] == 1 and m.shape[d] > 1]
     if not inner:
         along: set[int] = set()
-    elif n.op == "aten.cat.default":
+    elif n.op in ("aten.cat.default", "aten.slice_scatter.default"):
         along = {_norm_dim(bind(n).get("dim", 0), len(m.shape))}
     else:
         along = {len(m.shape) - 1 - j // 2 for j, p in enumerate(bind(n)["pad"]) if p != 0}
