@@ -35,6 +35,7 @@ class Facts:
 def learn(facts: Facts, forward: torch.fx.GraphModule) -> None:
     """Record, from AOTAutograd's metadata and the forward graph, whether replaying it is
     exact (called by the forward compiler)."""
+    facts.replayable = False
     context = torch._guards.TracingContext.try_get()
     meta = getattr(context, "fw_metadata", None)
     if meta is None:
