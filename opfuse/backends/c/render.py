@@ -25,9 +25,15 @@ def render_module(kernels: Sequence[tuple[str, Kernel]]) -> str:
 
 def _header(name: str, k: Kernel) -> list[str]:
     ops = ", ".join(dict.fromkeys(k.ops))
+    cases = ""
+    if k.cases:  # (the cut variable is the one whose extent differs in the cases)
+        at = next(i for i, v in enumerate(k.outer) if v != k.cases[0].outer[i])
+        sizes = " + ".join(str(c.outer[at].extent) for c in k.cases)
+        cases = f"; as {len(k.cases)} cases of {k.outer[at].name} = {sizes}"
     return [
         f"/* {k.name}: {ops}",
-        f" * schedule {k.schedule}; reads {k.bytes_read} bytes, writes {k.bytes_written} bytes */",
+        f" * schedule {k.schedule}; reads {k.bytes_read} bytes, writes {k.bytes_written} bytes"
+        f"{cases} */",
         f"int {name}(void *const *args, int nthreads) {{",
     ]
 
