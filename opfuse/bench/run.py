@@ -352,14 +352,14 @@ def markdown(results: list[Result], title: str) -> str:
     return "\n".join(out)
 
 
-_PARTS = {"elementwise": "patterns", "reduction": "patterns", "gemm": "patterns"}
+_PARTS = {"elementwise": "patterns", "reduction": "patterns", "gemm": "patterns", "model": "models"}
 
 
 def _time_spent(results: list[Result]) -> list[str]:
     """Where the run's time went, per part of the suite (the whole run has a budget)."""
     spent: dict[str, float] = {}
     for r in results:
-        part = _PARTS.get(r.group, r.group + ("s" if r.group == "model" else ""))
+        part = _PARTS.get(r.group, r.group)
         spent[part] = spent.get(part, 0.0) + r.wall_seconds
     if not any(spent.values()):
         return []

@@ -421,17 +421,23 @@ def gather_pad(
     if self.meta.numel == 0:
         return fill
     idx = list(out)
-    inside: Expr | None = None
+    tests: list[Expr] = []
     for j in range(len(pad) // 2):
         d = len(shape) - 1 - j
         lo, hi = pad[2 * j], pad[2 * j + 1]
         idx[d] = _wrapped(out[d], lo, shape[d])
-        for c in ([position(out[d]) >= lo] if lo > 0 else []) + (
-            [position(out[d]) < lo + shape[d]] if hi > 0 else []
-        ):
-            inside = c if inside is None else call("and", inside, c)
+        tests += [position(out[d]) >= lo] if lo > 0 else []
+        tests += [position(out[d]) < lo + shape[d]] if hi > 0 else []
     v = read(self, tuple(idx))
-    return v if inside is None else where(inside, v, fill)
+    return v if not tests else where(_all(tests), v, fill)
+
+
+def _all(tests: Sequence[Expr]) -> Expr:
+    """The conjunction of position tests (at least one)."""
+    inside = tests[0]
+    for t in tests[1:]:
+        inside = call("and", inside, t)
+    return inside
 
 
 def slice_bounds(start: int | None, end: int | None, size: int) -> tuple[int, int]:
@@ -471,12 +477,7 @@ def gather_slice_scatter(
         tests.append(call("eq", position(shifted % step), 0))
         at = (shifted // step - k).clamp(n - 1)
     v = read(src, (*out[:d], at, *out[d + 1 :]))
-    if not tests:
-        return v
-    inside = tests[0]
-    for t in tests[1:]:
-        inside = call("and", inside, t)
-    return where(inside, v, read(self, out))
+    return v if not tests else where(_all(tests), v, read(self, out))
 
 
 # -- the table -----------------------------------------------------------------

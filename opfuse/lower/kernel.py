@@ -183,6 +183,12 @@ def map_indices(k: Kernel, fix: Callable[[Ix], Ix]) -> Kernel:
         memo[e] = new
         return new
 
+    return rewrite(k, expr, fix)
+
+
+def rewrite(k: Kernel, expr: Callable[[Expr], Expr], fix: Callable[[Ix], Ix]) -> Kernel:
+    """k with `expr` applied to every expression (accumulated, stored, checked) and `fix`
+    to the indices outside them (stores, guards, argmax positions)."""
     passes = []
     for p in k.passes:
         passes.append(

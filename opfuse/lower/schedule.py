@@ -86,9 +86,9 @@ def finalize(k: Kernel) -> Kernel:
     k2 = replace(map_indices(k, fix), outer=tuple(new_outer), inner=tuple(new_inner))
     k2 = replace(k2, schedule=_choose(k2))
     k2 = replace(k2, inplace=_inplace_pairs(k2))
-    cases = unswitch(k2)
-    if cases:
-        return replace(_finish(k2), cases=tuple(_finish(c) for c in cases))
+    k2 = unswitch(k2)
+    if k2.cases:  # the cases run, the whole kernel is only their description
+        return replace(k2, cases=tuple(_finish(c) for c in k2.cases))
     return _finish(k2)
 
 

@@ -12,21 +12,22 @@ pointwise kernel's innermost loop).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 from ..ir.index import Ix, Var
 from ..ir.scalar import Expr, walk
-from .kernel import Accumulate, Kernel, Pass, Store
+from .kernel import Kernel, rewrite
 from .split import cuts_of, fold
 
 MAX_CASES = 8  # more cases than this and the kernel's code grows more than it saves
 
 
-def unswitch(k: Kernel) -> tuple[Kernel, ...]:
-    """The cases `k` runs as, each a kernel over one range of an outer variable; () to run
-    it whole."""
+def unswitch(k: Kernel) -> Kernel:
+    """`k` with the cases it runs as (`k.cases`, each a kernel over one range of an outer
+    variable; the note "cases" names the cut), or `k` itself to run it whole."""
     if k.checks:
-        return ()
+        return k
     # The innermost outer variable of these schedules is the vector loop (split.py) or the
     # block of column lanes: cutting it would cut the vectors.
     vector = k.schedule in ("pointwise", "columns", "columns_split")
@@ -37,11 +38,13 @@ def unswitch(k: Kernel) -> tuple[Kernel, ...]:
         cuts = sorted(c for c in cuts_of(roots, v) if 0 < c < v.extent)
         if not cuts or len(cuts) + 1 > MAX_CASES:
             continue
-        cases = tuple(_case(k, v, lo, hi) for lo, hi in zip([0, *cuts], [*cuts, v.extent]))
+        bounds = list(zip([0, *cuts], [*cuts, v.extent]))
+        cases = tuple(_case(k, v, lo, hi) for lo, hi in bounds)
         # Worth it only where a case reads less than the whole kernel does.
         if any(_loads([e for p in c.passes for e in p.values]) < before for c in cases):
-            return cases
-    return ()
+            sizes = " + ".join(str(hi - lo) for lo, hi in bounds)
+            return replace(k, cases=cases, notes={**k.notes, "cases": f"{v.name} = {sizes}"})
+    return k
 
 
 def _loads(roots: list[Expr]) -> int:
@@ -52,25 +55,7 @@ def _case(k: Kernel, v: Var, lo: int, hi: int) -> Kernel:
     var = Var(v.name, hi - lo)
     env = {v: Ix.var(var) + lo}
     memo: dict[Expr, Expr] = {}
-
-    def ex(e: Expr) -> Expr:
-        return fold(e, env, memo)
-
-    def store(s: Store) -> Store:
-        guard = s.guard.substitute(env) if s.guard is not None else None
-        return Store(s.buffer, s.index.substitute(env), ex(s.value), guard)
-
-    def acc(a: Accumulate) -> Accumulate:
-        pos = a.position.substitute(env) if a.position is not None else None
-        return replace(a, value=ex(a.value), position=pos)
-
-    passes = tuple(
-        Pass(
-            tuple(acc(a) for a in p.accumulates),
-            tuple(store(s) for s in p.stores),
-            tuple(store(s) for s in p.after),
-        )
-        for p in k.passes
+    case = rewrite(
+        k, functools.partial(fold, env=env, memo=memo), functools.partial(Ix.substitute, env=env)
     )
-    outer = tuple(var if u == v else u for u in k.outer)
-    return replace(k, outer=outer, passes=passes)
+    return replace(case, outer=tuple(var if u == v else u for u in k.outer))

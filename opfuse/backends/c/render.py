@@ -25,11 +25,7 @@ def render_module(kernels: Sequence[tuple[str, Kernel]]) -> str:
 
 def _header(name: str, k: Kernel) -> list[str]:
     ops = ", ".join(dict.fromkeys(k.ops))
-    cases = ""
-    if k.cases:  # (the cut variable is the one whose extent differs in the cases)
-        at = next(i for i, v in enumerate(k.outer) if v != k.cases[0].outer[i])
-        sizes = " + ".join(str(c.outer[at].extent) for c in k.cases)
-        cases = f"; as {len(k.cases)} cases of {k.outer[at].name} = {sizes}"
+    cases = f"; as {len(k.cases)} cases of {k.notes['cases']}" if k.cases else ""
     return [
         f"/* {k.name}: {ops}",
         f" * schedule {k.schedule}; reads {k.bytes_read} bytes, writes {k.bytes_written} bytes"
