@@ -225,10 +225,13 @@ def _view_inside(u: Node, members: set[Node], users: Mapping[Node, list[Node]]) 
 
 
 def _extract(source: str, name: str) -> str:
-    """The generated C of one kernel (from its comment header to its closing brace)."""
+    """The generated code of one kernel: C from its comment header to its closing brace;
+    Triton from its comment header to the end of its launcher."""
     start = source.find(f"int {name}(")
     if start < 0:
-        return ""
+        start = source.find(f"# {name}: ")
+        end = source.find("    return 0\n", start)
+        return source[start : end + len("    return 0\n")] if start >= 0 and end >= 0 else ""
     head = source.rfind("/*", 0, start)
     end = source.find("\n}\n", start)
     return source[head if head >= 0 else start : end + 3 if end >= 0 else len(source)]

@@ -27,11 +27,12 @@ from typing import Any
 
 from .autotune import Decision, Noise, choose, decision_key, load_decision
 from .backends.c.module import Make, Module, Unavailable, build_module
+from .backends.triton.build import build_module as build_triton
 from .explain import make_report
 from .fusion.classify import classify
 from .fusion.groups import Partition, check_partition
 from .fusion.partition import Fuel, partition
-from .ir.graph import CONSTANT, INPUT, Graph
+from .ir.graph import CONSTANT, INPUT, Graph, TensorMeta
 from .lower.groups import lower_groups
 from .plan import Built, BuiltCall, build_plan, copied
 from .progress import Progress
@@ -65,6 +66,10 @@ class Options:
     # "kernel": rand_like/rand (dropout) drawn inside the kernels that use them, from a
     # counter-based generator seeded by torch's; "torch": torch's own rand calls.
     random: str = field(default_factory=lambda: os.environ.get("OPFUSE_RANDOM") or "kernel")
+    # "c": C with OpenMP (CPU tensors); "triton": Triton kernels (the interpreter runs them
+    # on CPU tensors with TRITON_INTERPRET=1), library calls with torch; "auto": Triton
+    # for graphs on a GPU, C otherwise.
+    backend: str = field(default_factory=lambda: os.environ.get("OPFUSE_BACKEND") or "auto")
 
     def __post_init__(self) -> None:
         # Checked here, not where they are read: a compile that fails later falls back to
@@ -72,6 +77,7 @@ class Options:
         for name, allowed in (
             ("random", ("kernel", "torch")),
             ("layout", ("channels-last", "keep")),
+            ("backend", ("auto", "c", "triton")),
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(
@@ -113,13 +119,14 @@ def compile_graph(
     """Everything after capture: rewrite, fuse, lower, render, build, tune, plan."""
     opts = options or Options()
     t0 = time.perf_counter()
-    rw = rewrite(graph, opts)
+    triton = backend(graph, opts) == "triton"
+    rw = rewrite(graph, opts, triton)
     graph = rw.graph
-    kinds = classify(graph)
+    kinds = classify(graph, ("cpu", "cuda") if triton else ("cpu",))
     part = partition(graph, kinds, Fuel(opts.fuel))
     check_partition(graph, part)
     lowered = lower_groups(graph, part)
-    module = build_module(graph, lowered)
+    module = build_triton(graph, lowered) if triton else build_module(graph, lowered)
     if module.problem:
         warn_once(module.problem.splitlines()[0])
     built, decisions = tune(graph, part, module, opts.implementation)
@@ -164,7 +171,18 @@ class Rewritten:
     random: list[str]  # uniform draws moved into kernels
 
 
-def rewrite(graph: Graph, opts: Options) -> Rewritten:
+def backend(graph: Graph, opts: Options) -> str:
+    """The backend that runs the graph's kernels: Options.backend, "auto" resolved by where
+    the graph's tensors live."""
+    if opts.backend != "auto":
+        return opts.backend
+    on_gpu = any(
+        isinstance(n.meta, TensorMeta) and n.meta.device.startswith("cuda") for n in graph.nodes
+    )
+    return "triton" if on_gpu else "c"
+
+
+def rewrite(graph: Graph, opts: Options, triton: bool = False) -> Rewritten:
     folds: list[Fold] = []
     refusals: list[Refusal] = []
     if opts.fold_batchnorm:
@@ -180,7 +198,7 @@ def rewrite(graph: Graph, opts: Options) -> Rewritten:
         relaid = channels_last(graph)
         graph, layout = relaid.graph, relaid.note
     random: list[str] = []
-    if opts.random == "kernel":
+    if opts.random == "kernel" and not triton:  # (Triton: torch draws them)
         graph, random = random_in_kernels(graph)
     graph = copies_in_kernels(graph)
     return Rewritten(graph, folds, refusals, layout, attention, random)

@@ -172,7 +172,7 @@ class _Planner:
             self.torch_step(n)
 
     def kernel_step(self, name: str, fn: Any, args: list[KernelArg], reads: list[Node]) -> None:
-        self.steps.append(KernelStep(name, fn, args))
+        self.steps.append(KernelStep(name, fn, args, tensors=getattr(fn, "tensors", False)))
         for i in reads:
             self.read(i)
 
@@ -265,7 +265,22 @@ def build_plan(graph: Graph, part: Partition, built: Mapping[int, Built]) -> Pla
         steps=p.steps,
         pool_sizes=sizes,
         frees=frees,
+        device=_pool_device(p.steps),
     )
+
+
+def _pool_device(steps: list[Any]) -> str:
+    """The one device every kernel output lives on (pooled blocks are allocated there)."""
+    devices = {
+        a.meta.device
+        for s in steps
+        if isinstance(s, KernelStep)
+        for a in s.args
+        if isinstance(a, Out)
+    }
+    if len(devices) > 1:
+        raise NotImplementedError(f"kernels on several devices: {sorted(devices)}")
+    return devices.pop() if devices else "cpu"
 
 
 def _plan_memory(graph: Graph, p: _Planner) -> tuple[list[int], list[tuple[int, ...]]]:

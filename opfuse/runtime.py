@@ -64,6 +64,8 @@ class KernelStep:
     fn: Any  # ctypes function: int fn(void **args, int nthreads)
     args: list[KernelArg]
     inplace: list[tuple[int, int]] = field(default_factory=list)  # (out arg, in arg) may share
+    # fn takes the tensors themselves (a Triton launcher), not their addresses
+    tensors: bool = False
 
     @property
     def inputs(self) -> list[In]:
@@ -117,6 +119,7 @@ class Plan:
     # would, instead of holding every one until the call returns.
     frees: list[tuple[int, ...]] = field(default_factory=list)
     notes: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"  # where the pooled blocks live (the graph's device)
 
 
 class _Frame(threading.local):
@@ -158,7 +161,9 @@ class Runtime:
     def _prepare_frame(self) -> _Frame:
         f = self._frame
         plan = self.plan
-        f.blocks = [torch.empty(max(n, 1), dtype=torch.uint8) for n in plan.pool_sizes]
+        f.blocks = [
+            torch.empty(max(n, 1), dtype=torch.uint8, device=plan.device) for n in plan.pool_sizes
+        ]
         f.bind = [_binder(s.args) if isinstance(s, TorchStep) else None for s in plan.steps]
         # Values at fixed addresses on every call: constants, pooled results and the views
         # of those. They sit in the environment from the start; their steps never run.
@@ -188,25 +193,28 @@ class Runtime:
                 f.arrays.append(None)
                 f.dynamic.append(None)
                 continue
-            arr = (ctypes.c_void_p * len(step.args))()
+            arr: Any = (
+                [None] * len(step.args) if step.tensors else (ctypes.c_void_p * len(step.args))()
+            )
+            ref = _same if step.tensors else _address
             dyn: list[tuple[int, In | Out]] = []
             for ai, a in enumerate(step.args):
                 if isinstance(a, Const):
-                    arr[ai] = a.value if isinstance(a.value, int) else a.value.data_ptr()
+                    arr[ai] = a.value if isinstance(a.value, int) else ref(a.value)
                 elif isinstance(a, Scratch):
                     if a.block is None:
                         raise AssertionError("scratch without a block")
-                    arr[ai] = f.blocks[a.block].data_ptr()
+                    arr[ai] = ref(f.blocks[a.block])
                 elif isinstance(a, Out) and a.block is not None:
                     t = _typed(f.blocks[a.block], a.meta)
                     fixed[a.slot] = t
-                    arr[ai] = t.data_ptr()
+                    arr[ai] = ref(t)
                 elif (
                     isinstance(a, In)
                     and fixed[a.slot] is not None
                     and _has_layout(fixed[a.slot], a.meta)
                 ):
-                    arr[ai] = fixed[a.slot].data_ptr()
+                    arr[ai] = ref(fixed[a.slot])
                 else:
                     dyn.append((ai, a))
             f.arrays.append(arr)
@@ -230,19 +238,20 @@ class Runtime:
                 pass
             elif type(step) is KernelStep:
                 arr = f.arrays[si]
+                tensors = step.tensors
                 for ai, a in f.dynamic[si]:
                     if type(a) is In:
                         t = env[a.slot]
                         if a.check:
                             t = env[a.slot] = _conform(t, a.meta)
-                        arr[ai] = t.data_ptr()
+                        arr[ai] = t if tensors else t.data_ptr()
                     else:  # a fresh output
                         t = None  # no stray reference to what _take may reuse
                         if a.steal is not None:
                             t = _take(env, a, step.args[a.steal])
                         if t is None:
                             t = _fresh(f.recycle, (si, ai), a.meta)
-                        arr[ai] = t.data_ptr()
+                        arr[ai] = t if tensors else t.data_ptr()
                         env[a.slot] = t
                 if step.fn(arr, nthreads):
                     # torch raises this very error for integer division by zero
@@ -267,6 +276,14 @@ class Runtime:
 
 
 _storage_use_count = torch._C._storage_Use_Count
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def _address(t: torch.Tensor) -> int:
+    return t.data_ptr()
 
 
 def _unshared(t: Any, holders: int) -> bool:
@@ -294,7 +311,7 @@ def _fresh(
         and t.is_inference() == torch.is_inference_mode_enabled()
     ):
         return t
-    t = torch.empty_strided(m.shape, m.stride, dtype=m.dtype)
+    t = torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device=m.device)
     cache[key] = t
     return t
 

@@ -34,13 +34,15 @@ class Classified:
     why_opaque: dict[Node, str]  # ops the generated kernels do not cover, and why
 
 
-def classify(graph: Graph) -> Classified:
+def classify(graph: Graph, devices: tuple[str, ...] = ("cpu",)) -> Classified:
+    """Each op's kind, and why it is OPAQUE; `devices`: the device types the backend's
+    kernels run on (the C backend: the CPU)."""
     kinds: dict[Node, Kind] = {}
     why: dict[Node, str] = {}
     for n in graph.nodes:
         if n.op in (INPUT, CONSTANT):
             continue
-        kind, reason = _kind(n)
+        kind, reason = _kind(n, devices)
         kinds[n] = kind
         if reason:
             why[n] = reason
@@ -56,7 +58,7 @@ def _tensor_metas(n: Node) -> list[TensorMeta]:
     return out
 
 
-def _kind(n: Node) -> tuple[Kind, str]:
+def _kind(n: Node, devices: tuple[str, ...]) -> tuple[Kind, str]:
     row = info(n.op)
     if n.op == ATTENTION:
         return Kind.OPAQUE, "the fused attention call reads it (a library call)"
@@ -67,9 +69,9 @@ def _kind(n: Node) -> tuple[Kind, str]:
     if n.op == GETITEM:
         return Kind.INJECTIVE, ""
     metas = _tensor_metas(n)
-    devices = {m.device for m in metas}
-    if devices and devices != {"cpu"}:
-        return Kind.OPAQUE, f"tensors on {sorted(devices)} (the C backend runs on the CPU)"
+    on = {m.device for m in metas}
+    if len(on) > 1 or any(d.split(":")[0] not in devices for d in on):
+        return Kind.OPAQUE, f"tensors on {sorted(on)} (the backend's kernels run on {devices})"
     if row.kind == Kind.INJECTIVE:
         return Kind.INJECTIVE, ""
     if row.kind == Kind.ANCHOR:

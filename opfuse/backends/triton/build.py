@@ -1,0 +1,165 @@
+"""Triton kernels of a graph -> one Python module in the kernel cache -> launchers.
+
+Every group runs its generated kernel when it has one that renders (an epilogue group:
+the library call with torch, then the epilogue kernel), or with torch. Nothing is timed:
+the CPU candidates (oneDNN post-ops, blocked and packed GEMMs) do not exist here, and a
+fused kernel does not lose to the same ops run one by one with torch on a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from ...ir.graph import Graph, TensorMeta
+from ...lower.groups import Lowered
+from ...lower.kernel import Kernel
+from ...plan import Built, BuiltKernel
+from ..c.build import cache_dir
+from ..c.module import Make, Module
+from .render import NotRenderable, render_kernel, render_module
+
+_lock = threading.Lock()
+log = logging.getLogger("opfuse.triton")
+
+
+class TritonUnavailable(RuntimeError):
+    """triton is not installed (or cannot be imported)."""
+
+
+@dataclass
+class Launcher:
+    """A kernel's launcher as a plan step calls it: with the buffers as tensors (`tensors`
+    tells the runtime so), not as the C kernels' array of addresses."""
+
+    fn: Any
+    tensors: bool = True
+
+    def __call__(self, args: Any, nthreads: int = 0) -> int:
+        return int(self.fn(args, nthreads))
+
+
+def load(source: str) -> tuple[ModuleType, bool]:
+    """Import `source` as a module kept in the kernel cache (triton.jit reads a kernel's
+    source from its file); (module, whether the file was already there)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        raise TritonUnavailable(f"the Triton backend needs triton installed ({e})") from e
+    key = hashlib.sha256(source.encode()).hexdigest()[:40]
+    d = cache_dir() / "triton"
+    d.mkdir(mode=0o700, exist_ok=True)
+    path = d / f"k{key}.py"
+    name = f"opfuse_triton_k{key}"
+    with _lock:
+        cached = path.exists() and path.read_text() == source
+        if not cached:
+            fd, tmp = tempfile.mkstemp(dir=d, suffix=".py")
+            with os.fdopen(fd, "w") as f:
+                f.write(source)
+            os.replace(tmp, path)
+        mod = sys.modules.get(name)
+        if mod is None:
+            spec = importlib.util.spec_from_file_location(name, path)
+            assert spec is not None and spec.loader is not None
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod
+            spec.loader.exec_module(mod)
+    return mod, cached
+
+
+def build_module(graph: Graph, lowered: Lowered) -> Module:
+    kernels: dict[int, tuple[str, str, Kernel]] = {}  # group -> (candidate, name, kernel)
+    for gid, cands in lowered.candidates.items():
+        for cname in ("kernel", "unfused"):
+            c = cands.get(cname)
+            if isinstance(c, Kernel):
+                name = f"{c.name}_{gid}" if cname == "kernel" else f"{c.name}_{cname}_{gid}"
+                kernels[gid] = (cname, name, c)
+                break
+    rendered: dict[int, str] = {}
+    for gid, (_, name, k) in kernels.items():
+        try:
+            rendered[gid] = render_kernel(name, k)
+        except NotRenderable:
+            continue  # torch runs the group
+    source = render_module(list(rendered.values())) if rendered else ""
+    mod = Module(source)
+    lib: ModuleType | None = None
+    if rendered and not (_on_gpu(graph) or interpreting()):
+        mod.problem = (
+            "opfuse: Triton runs CPU tensors only in its interpreter (TRITON_INTERPRET=1); "
+            "running those ops with torch"
+        )
+    elif rendered:
+        try:
+            lib, mod.cached = load(source)
+        except Exception as e:  # triton missing, or the source does not import
+            mod.problem = f"opfuse: Triton kernels could not be built, running with torch ({e})"
+    device = "cuda" if _on_gpu(graph) else "cpu"
+    for gid in lowered.candidates:
+        makers: dict[str, Make] = {}
+        if gid in kernels and gid in rendered and lib is not None:
+            cname, name, k = kernels[gid]
+            fn = getattr(lib, name)
+            if _trial(k, fn, device):
+                makers[cname] = functools.partial(_built, k, fn)
+            else:
+                makers["torch"] = _torch_runs
+        else:
+            makers["torch"] = _torch_runs
+        mod.candidates[gid] = makers
+        mod.signatures[gid] = [rendered.get(gid, "torch")]
+    return mod
+
+
+def _trial(k: Kernel, fn: Any, device: str) -> bool:
+    """Launch the kernel once on scratch buffers of its shapes: Triton compiles on the first
+    launch, and a kernel it cannot compile must fail here, where torch can still run the
+    group, not inside a model's call."""
+    import torch
+
+    args = [
+        torch.zeros(_span(b.shape, b.stride), dtype=b.dtype, device=device).as_strided(
+            b.shape, b.stride
+        )
+        for b in k.buffers
+    ]
+    try:
+        fn(args, 0)
+    except Exception as e:  # any compile or launch failure
+        log.warning("Triton kernel %s failed its trial launch, torch runs it: %s", k.name, e)
+        return False
+    return True
+
+
+def _span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Elements of storage a tensor of this shape and stride reaches."""
+    return 1 + sum((s - 1) * st for s, st in zip(shape, stride, strict=True)) if all(shape) else 0
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _on_gpu(graph: Graph) -> bool:
+    return any(
+        isinstance(n.meta, TensorMeta) and n.meta.device.startswith("cuda") for n in graph.nodes
+    )
+
+
+def _built(k: Kernel, fn: Any) -> Built:
+    return BuiltKernel(k, Launcher(fn))
+
+
+def _torch_runs() -> None:
+    return None

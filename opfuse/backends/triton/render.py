@@ -1,0 +1,470 @@
+"""Kernels rendered as Triton: one @triton.jit function and its launcher per kernel.
+
+The same backend-neutral `Kernel` the C renderer reads (lower/kernel.py). A pointwise
+kernel runs one program per XBLOCK elements of its flattened outer domain. A kernel with
+inner (reduced) variables runs one program per XBLOCK rows: each pass walks the row in
+RBLOCK-wide chunks, folding values into [XBLOCK, RBLOCK] accumulator lanes, and the lanes
+are combined once per pass (`tl.reduce`); the reduced results are [XBLOCK, 1] tensors that
+broadcast into later passes and into the stores made after the pass. The C schedules
+(rows / split / columns, pieces, unswitched cases, transposed tiles) are CPU decisions: a
+Triton program already reads a tile of rows, so the whole kernel is rendered as one.
+
+Formatting only: formulas come from `scalar.PRIMS` (the `triton` column); what a renderer
+cannot express raises NotRenderable and the group runs with torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ...ir.index import Clamp, FloorDiv, Ix, Mod, Var
+from ...ir.scalar import PRIMS, Expr, format_float, walk
+from ...lower.kernel import Accumulate, Kernel, Pass, Store
+
+XBLOCK_POINTWISE = 1024
+REDUCTION_TILE = 4096  # XBLOCK * RBLOCK of a reduction program
+RBLOCK_MAX = 1024
+
+TL = {
+    torch.float16: "tl.float16",
+    torch.bfloat16: "tl.bfloat16",
+    torch.float32: "tl.float32",
+    torch.float64: "tl.float64",
+    torch.int8: "tl.int8",
+    torch.int16: "tl.int16",
+    torch.int32: "tl.int32",
+    torch.int64: "tl.int64",
+    torch.uint8: "tl.uint8",
+    torch.bool: "tl.int1",
+}
+# Integer forms that would need torch's error flag or 64-bit helpers Triton lacks here.
+_UNSUPPORTED = frozenset({"mix64", "shl", "shr"})
+_NEEDS_FLOAT_HELPER = {"pow": "op_pow_int"}
+
+
+class NotRenderable(Exception):
+    """The kernel uses something this renderer has no Triton form for."""
+
+
+# Helpers the formulas in scalar.PRIMS name (torch's semantics, as the C prelude has them).
+PRELUDE = """
+@triton.jit
+def op_max(a, b):
+    # torch.maximum / relu / clamp: NaN in either operand gives NaN
+    return tl.where((a < b) | (b != b), b, a)
+
+
+@triton.jit
+def op_min(a, b):
+    return tl.where((b < a) | (b != b), b, a)
+
+
+@triton.jit
+def op_remainder(a, b):
+    # Python-style modulo: the result takes the divisor's sign
+    m = libdevice.fmod(a, b)
+    return tl.where((m != 0) & ((b < 0) != (m < 0)), m + b, m)
+
+
+@triton.jit
+def op_div_floor(a, b):
+    # ATen's div_floor_floating
+    m = libdevice.fmod(a, b)
+    d = (a - m) / b
+    d = tl.where((m != 0) & ((b < 0) != (m < 0)), d - 1, d)
+    fl = libdevice.floor(d)
+    fl = tl.where(d - fl > 0.5, fl + 1, fl)
+    zero = libdevice.copysign(d * 0, a / b)
+    return tl.where(b == 0, a / b, tl.where(d != 0, fl, zero))
+
+
+@triton.jit
+def op_div_floor_int(a, b):
+    q = a // b
+    r = a % b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), q - 1, q)
+
+
+@triton.jit
+def op_fmod_int(a, b):
+    return a % b
+
+
+@triton.jit
+def op_remainder_int(a, b):
+    r = a % b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+
+
+@triton.jit
+def combine_sum(a, b):
+    return a + b
+
+
+@triton.jit
+def combine_prod(a, b):
+    return a * b
+
+
+@triton.jit
+def combine_or(a, b):
+    return a | b
+
+
+@triton.jit
+def combine_and(a, b):
+    return a & b
+
+
+@triton.jit
+def take_max(v, i, bv, bi):
+    # argmax: does (v, i) replace (bv, bi)? NaN is the extreme value; ties go to the
+    # lower index (torch's first occurrence)
+    return tl.where(v != v, (bv == bv) | (i < bi),
+                    tl.where(bv != bv, False, (v > bv) | ((v == bv) & (i < bi))))
+
+
+@triton.jit
+def take_min(v, i, bv, bi):
+    return tl.where(v != v, (bv == bv) | (i < bi),
+                    tl.where(bv != bv, False, (v < bv) | ((v == bv) & (i < bi))))
+
+
+@triton.jit
+def combine_argmax(bv, bi, v, i):
+    t = take_max(v, i, bv, bi)
+    return tl.where(t, v, bv), tl.where(t, i, bi)
+
+
+@triton.jit
+def combine_argmin(bv, bi, v, i):
+    t = take_min(v, i, bv, bi)
+    return tl.where(t, v, bv), tl.where(t, i, bi)
+
+
+@triton.jit
+def combine_welford(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
+    # Chan et al.; lanes that saw nothing (n == 0) merge as no-ops
+    n = n_a + n_b
+    w = tl.where(n == 0, 0.0, n_b / tl.where(n == 0, 1.0, n))
+    d = mean_b - mean_a
+    return mean_a + d * w, m2_a + m2_b + d * d * n_a * w, n
+"""
+
+
+def literal(value: object, dtype: torch.dtype) -> str:
+    if dtype == torch.bool:
+        return "True" if value else "False"
+    if dtype.is_floating_point:
+        f = float(value)  # type: ignore[arg-type]
+        if f != f:
+            return "float('nan')"
+        if f in (float("inf"), float("-inf")):
+            return "float('inf')" if f > 0 else "float('-inf')"
+        return format_float(f)
+    return str(int(value))  # type: ignore[call-overload]
+
+
+def index(ix: Ix) -> str:
+    parts = []
+    for atom, c in ix.terms:
+        if isinstance(atom, Var):
+            a = atom.name
+        elif isinstance(atom, FloorDiv):
+            a = f"(({index(atom.x)}) // {atom.d})"
+        elif isinstance(atom, Clamp):
+            a = f"tl.minimum(tl.maximum({index(atom.x)}, 0), {atom.hi})"
+        else:
+            assert isinstance(atom, Mod)
+            a = f"(({index(atom.x)}) % {atom.d})"
+        parts.append(a if c == 1 else f"{c} * {a}")
+    if ix.const or not parts:
+        parts.append(str(ix.const))
+    return " + ".join(parts)
+
+
+class _Emitter:
+    """Linearises Expr DAGs into Triton assignments, naming each value once per scope.
+    `zero` is an int64 tensor of the scope's shape: added to an index it gives every
+    position (and every scalar load) that shape."""
+
+    def __init__(self, counter: list[int]) -> None:
+        self.scopes: list[dict[Expr, str]] = [{}]
+        self.counter = counter
+        self.mask = "xmask"
+        self.zero = "xzero"
+
+    def lookup(self, e: Expr) -> str | None:
+        for s in reversed(self.scopes):
+            if e in s:
+                return s[e]
+        return None
+
+    def emit(self, roots: Sequence[Expr], lines: list[str], indent: str) -> None:
+        for e in walk(list(roots)):
+            if self.lookup(e) is not None:
+                continue
+            text = self.text(e)
+            self.counter[0] += 1
+            name = f"t{self.counter[0]}"
+            lines.append(f"{indent}{name} = {text}")
+            self.scopes[-1][e] = name
+
+    def ref(self, e: Expr) -> str:
+        name = self.lookup(e)
+        assert name is not None, f"{e!r} used before it was emitted"
+        return name
+
+    def text(self, e: Expr) -> str:
+        if e.op == "const":
+            # shaped like the scope's positions: the interpreter mistypes comparisons of
+            # 0-d tensors
+            return f"tl.full({self.zero}.shape, {literal(e.value, e.dtype)}, {TL[e.dtype]})"
+        if e.op == "load":
+            buf, ix = e.value
+            return f"tl.load({buf} + ({self.zero} + {index(ix)}), mask={self.mask}, other=0)"
+        if e.op == "acc":
+            name, part = e.value
+            return f"{name}_{part}"
+        if e.op == "index":
+            return f"({self.zero} + {index(e.value)})"
+        if e.op == "cast":
+            src = e.args[0].dtype
+            x = self.ref(e.args[0])
+            if e.dtype == torch.bool:
+                return f"({x} != 0)"
+            if src == torch.bool:
+                return f"{x}.to(tl.int8).to({TL[e.dtype]})"
+            return f"{x}.to({TL[e.dtype]})"
+        if e.op in _UNSUPPORTED:
+            raise NotRenderable(f"{e.op} has no Triton form here")
+        prim = PRIMS[e.op]
+        operand = e.args[0].dtype if e.op != "where" else e.args[1].dtype
+        integer = not operand.is_floating_point
+        if integer and e.op in _NEEDS_FLOAT_HELPER:
+            raise NotRenderable(f"integer {e.op} has no Triton form here")
+        tmpl = prim.triton_int if integer and prim.triton_int is not None else prim.triton
+        if not tmpl:
+            raise NotRenderable(f"{e.op} has no Triton formula")
+        if e.op == "not" and operand == torch.bool:
+            tmpl = "({0} == 0)"
+        return tmpl.format(*(self.ref(a) for a in e.args))
+
+
+def render_kernel(name: str, k: Kernel) -> str:
+    """The Triton source of kernel `k`: `{name}_kernel` (jit) and `{name}(args, nthreads)`,
+    the launcher the runtime calls with the kernel's buffers in order."""
+    if k.checks:
+        raise NotRenderable("integer division needs the error flag the C kernels raise")
+    for p in k.passes:
+        for a in p.accumulates:
+            if a.combine not in _COMBINES:
+                raise NotRenderable(f"{a.combine} reductions")
+    outer = k.outer_size
+    lines = [f"# {name}: {', '.join(k.ops)}"]
+    lines.append(f"# reads {k.bytes_read} bytes, writes {k.bytes_written} bytes")
+    params = ", ".join(b.name for b in k.buffers)
+    lines.append("@triton.jit")
+    lines.append(f"def {name}_kernel({params}, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):")
+    counter = [0]
+    if not k.inner:
+        xblock, rblock = min(XBLOCK_POINTWISE, _pow2(outer)), 1
+        _pointwise(k, lines, counter)
+    else:
+        rblock = min(RBLOCK_MAX, _pow2(k.inner_size))
+        xblock = max(1, min(_pow2(outer), REDUCTION_TILE // rblock))
+        _rows(k, lines, counter)
+    grid = -(-outer // xblock)
+    lines.append("")
+    lines.append("")
+    lines.append(f"def {name}(args, nthreads=0):")
+    lines.append(f"    {name}_kernel[({grid},)](*args, XBLOCK={xblock}, RBLOCK={rblock})")
+    lines.append("    return 0")
+    return "\n".join(lines) + "\n"
+
+
+def render_module(kernels: Sequence[str]) -> str:
+    """One importable module: the helpers, then the rendered kernels."""
+    head = [
+        "import triton",
+        "import triton.language as tl",
+        "from opfuse.backends.triton.libdevice import libdevice",
+        PRELUDE,
+    ]
+    return "\n".join(head) + "\n\n" + "\n\n".join(kernels)
+
+
+def _pow2(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def _outer_vars(k: Kernel, lines: list[str], indent: str, shape: str) -> None:
+    """xl: the flat outer positions this program owns; the outer variables from it (the
+    last one varies fastest, as the C loop nest runs them)."""
+    lines.append(
+        f"{indent}xl = tl.program_id(0).to(tl.int64) * XBLOCK + tl.arange(0, XBLOCK){shape}"
+    )
+    lines.append(f"{indent}xmask = xl < {k.outer_size}")
+    lines.append(f"{indent}xzero = xl * 0")
+    _delinearize(k.outer, "xl", lines, indent)
+
+
+def _delinearize(vs: Sequence[Var], flat: str, lines: list[str], indent: str) -> None:
+    stride = 1
+    for v in reversed(vs):
+        q = flat if stride == 1 else f"({flat} // {stride})"
+        lines.append(
+            f"{indent}{v.name} = {q} % {v.extent}" if v is not vs[0] else f"{indent}{v.name} = {q}"
+        )
+        stride *= v.extent
+
+
+def _stores(em: _Emitter, stores: Sequence[Store], lines: list[str], indent: str) -> None:
+    em.emit([s.value for s in stores], lines, indent)
+    for s in stores:
+        mask = em.mask
+        if s.guard is not None:
+            mask = f"{mask} & (({em.zero} + {index(s.guard)}) == 0)"
+        lines.append(
+            f"{indent}tl.store({s.buffer} + ({em.zero} + {index(s.index)}), "
+            f"{em.ref(s.value)}, mask={mask})"
+        )
+
+
+def _pointwise(k: Kernel, lines: list[str], counter: list[int]) -> None:
+    ind = "    "
+    _outer_vars(k, lines, ind, "")
+    em = _Emitter(counter)
+    for p in k.passes:
+        _stores(em, p.stores, lines, ind)
+        _stores(em, p.after, lines, ind)
+
+
+# combine -> (lane fields: (suffix, initial value or None for the acc dtype's identity))
+_COMBINES = {
+    "sum": (("value", "0"),),
+    "prod": (("value", "1"),),
+    "any": (("value", "0"),),
+    "all": (("value", "1"),),
+    "max": (("value", "float('-inf')"),),
+    "min": (("value", "float('inf')"),),
+    "argmax": (("value", "float('-inf')"), ("index", "9223372036854775807")),
+    "argmin": (("value", "float('inf')"), ("index", "9223372036854775807")),
+    "welford": (("mean", "0"), ("m2", "0"), ("n", "0")),
+}
+_INT_EXTREMES = {
+    torch.int8: (-(2**7), 2**7 - 1),
+    torch.int16: (-(2**15), 2**15 - 1),
+    torch.int32: (-(2**31), 2**31 - 1),
+    torch.int64: (-(2**63), 2**63 - 1),
+    torch.uint8: (0, 255),
+    torch.bool: (0, 1),
+}
+
+
+def _initial(a: Accumulate, field: str, init: str) -> tuple[str, str]:
+    """(initial value, Triton dtype) of one lane field."""
+    t = a.acc_dtype
+    if field == "index":
+        return init, "tl.int64"
+    if a.combine in ("any", "all"):
+        return init, "tl.int8"
+    if a.combine in ("max", "min", "argmax", "argmin") and not t.is_floating_point:
+        lo, hi = _INT_EXTREMES[t]
+        return str(lo if "max" in a.combine else hi), TL[t]
+    return init, TL[t]
+
+
+def _rows(k: Kernel, lines: list[str], counter: list[int]) -> None:
+    ind = "    "
+    _outer_vars(k, lines, ind, "[:, None]")
+    em = _Emitter(counter)
+    for p in k.passes:
+        _pass(k, p, em, lines, ind)
+
+
+def _pass(k: Kernel, p: Pass, em: _Emitter, lines: list[str], ind: str) -> None:
+    for a in p.accumulates:
+        for f, init in _COMBINES[a.combine]:
+            v, t = _initial(a, f, init)
+            lines.append(f"{ind}{a.name}_l{f} = tl.full([XBLOCK, RBLOCK], {v}, {t})")
+    body = ind + "    "
+    lines.append(f"{ind}for roff in range(0, {k.inner_size}, RBLOCK):")
+    lines.append(f"{body}rl = (roff + tl.arange(0, RBLOCK)[None, :]).to(tl.int64)")
+    lines.append(f"{body}rzero = xzero + rl * 0")
+    lines.append(f"{body}rmask = xmask & (rl < {k.inner_size})")
+    _delinearize(k.inner, "rl", lines, body)
+    em.scopes.append({})
+    em.mask, em.zero = "rmask", "rzero"
+    em.emit([a.value for a in p.accumulates], lines, body)
+    for a in p.accumulates:
+        _fold(a, em, lines, body)
+    _stores(em, p.stores, lines, body)
+    em.scopes.pop()
+    em.mask, em.zero = "xmask", "xzero"
+    for a in p.accumulates:
+        _finish(a, lines, ind)
+    _stores(em, p.after, lines, ind)
+
+
+def _fold(a: Accumulate, em: _Emitter, lines: list[str], ind: str) -> None:
+    v = em.ref(a.value)
+    n = a.name
+    t = TL[a.acc_dtype]
+    if a.combine in ("sum", "prod"):
+        op = "+" if a.combine == "sum" else "*"
+        lines.append(f"{ind}{n}_lvalue = tl.where(rmask, {n}_lvalue {op} {v}.to({t}), {n}_lvalue)")
+    elif a.combine in ("any", "all"):
+        op = "|" if a.combine == "any" else "&"
+        lines.append(
+            f"{ind}{n}_lvalue = tl.where(rmask, {n}_lvalue {op} ({v} != 0).to(tl.int8), {n}_lvalue)"
+        )
+    elif a.combine in ("max", "min"):
+        f = "op_max" if a.combine == "max" else "op_min"
+        lines.append(f"{ind}{n}_lvalue = tl.where(rmask, {f}({n}_lvalue, {v}.to({t})), {n}_lvalue)")
+    elif a.combine in ("argmax", "argmin"):
+        assert a.position is not None
+        take = "take_max" if a.combine == "argmax" else "take_min"
+        lines.append(f"{ind}{n}_pos = rzero + {index(a.position)}")
+        lines.append(
+            f"{ind}{n}_take = rmask & {take}({v}.to({t}), {n}_pos, {n}_lvalue, {n}_lindex)"
+        )
+        lines.append(f"{ind}{n}_lvalue = tl.where({n}_take, {v}.to({t}), {n}_lvalue)")
+        lines.append(f"{ind}{n}_lindex = tl.where({n}_take, {n}_pos, {n}_lindex)")
+    else:  # welford: one more value per lane
+        lines.append(f"{ind}{n}_x = {v}.to({t})")
+        lines.append(f"{ind}{n}_nn = tl.where(rmask, {n}_ln + 1, {n}_ln)")
+        lines.append(f"{ind}{n}_d = tl.where(rmask, {n}_x - {n}_lmean, 0)")
+        lines.append(f"{ind}{n}_lmean = {n}_lmean + {n}_d / tl.where({n}_nn == 0, 1, {n}_nn)")
+        lines.append(f"{ind}{n}_lm2 = {n}_lm2 + {n}_d * tl.where(rmask, {n}_x - {n}_lmean, 0)")
+        lines.append(f"{ind}{n}_ln = {n}_nn")
+
+
+_FINISH = {"sum": "combine_sum", "prod": "combine_prod", "max": "op_max", "min": "op_min"}
+
+
+def _finish(a: Accumulate, lines: list[str], ind: str) -> None:
+    n = a.name
+    if a.combine in ("sum", "prod", "max", "min"):
+        fn = _FINISH[a.combine]
+        lines.append(f"{ind}{n}_value = tl.reduce({n}_lvalue, 1, {fn})[:, None]")
+    elif a.combine in ("any", "all"):
+        fn = "combine_or" if a.combine == "any" else "combine_and"
+        lines.append(f"{ind}{n}_value = tl.reduce({n}_lvalue, 1, {fn})[:, None] != 0")
+    elif a.combine in ("argmax", "argmin"):
+        fn = "combine_argmax" if a.combine == "argmax" else "combine_argmin"
+        lines.append(f"{ind}{n}_value, {n}_index = tl.reduce(({n}_lvalue, {n}_lindex), 1, {fn})")
+        lines.append(f"{ind}{n}_value = {n}_value[:, None]")
+        lines.append(f"{ind}{n}_index = {n}_index[:, None]")
+    else:
+        lines.append(
+            f"{ind}{n}_mean, {n}_m2, {n}_n = "
+            f"tl.reduce(({n}_lmean, {n}_lm2, {n}_ln), 1, combine_welford)"
+        )
+        lines.append(f"{ind}{n}_mean = {n}_mean[:, None]")
+        lines.append(f"{ind}{n}_m2 = {n}_m2[:, None]")

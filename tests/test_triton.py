@@ -1,0 +1,243 @@
+"""The Triton backend, run by Triton's interpreter on CPU tensors (TRITON_INTERPRET=1):
+the same lowered kernels as the C backend, rendered as @triton.jit functions."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import opfuse
+from opfuse.dynamo import collect_reports
+from opfuse.pipeline import Options
+from opfuse.runtime import KernelStep
+
+pytest.importorskip("triton")
+os.environ["TRITON_INTERPRET"] = "1"  # read when a generated module is imported
+
+TRITON = Options(backend="triton")
+
+
+def _steps(f: opfuse.CompiledModule) -> list[KernelStep]:
+    entry = next(iter(f._entries.values()))
+    assert entry.compiled is not None
+    return [s for s in entry.compiled.run.plan.steps if isinstance(s, KernelStep)]
+
+
+def _check(
+    model: nn.Module | object, *args: torch.Tensor, tol: float = 1e-5
+) -> opfuse.CompiledModule:
+    m = model if isinstance(model, nn.Module) else _Fn(model)
+    m.eval()
+    f = opfuse.compile(m, args, options=TRITON)
+    with torch.no_grad():
+        got, want = f(*args), m(*args)
+    got = got if isinstance(got, tuple) else (got,)
+    want = want if isinstance(want, tuple) else (want,)
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        torch.testing.assert_close(g, w, atol=tol, rtol=tol, equal_nan=True)
+    steps = _steps(f)
+    assert steps and all(s.tensors for s in steps), "every kernel runs as a Triton launch"
+    return f
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn: object) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: torch.Tensor) -> object:
+        return self.fn(*args)  # type: ignore[operator]
+
+
+def test_elementwise_chain_is_one_triton_kernel() -> None:
+    x = torch.randn(33, 65)
+    f = _check(lambda t: torch.tanh(torch.sigmoid(t.sin() * 1.5).relu() + 0.25) - 0.5, x)
+    assert f.report.kernels_after == 1
+    [g] = f.report.groups
+    assert g.pattern == "elementwise"
+    assert "@triton.jit" in g.source_code and "tl.store(out0" in g.source_code
+
+
+def test_broadcast_strided_and_transposed_inputs() -> None:
+    a = torch.randn(16, 32).t()  # transposed view
+    b = torch.randn(32, 1)
+    c = torch.randn(32)[::2]  # strided
+    f = _check(lambda a, b, c: F.gelu(a * b + c) - a.exp(), a, b, c)
+    assert f.report.kernels_after == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_layernorm_of_residual_add_is_one_kernel(dtype: torch.dtype) -> None:
+    m = nn.LayerNorm(96).to(dtype)
+    nn.init.normal_(m.weight)
+    nn.init.normal_(m.bias)
+    x, r = torch.randn(4, 10, 96, dtype=dtype), torch.randn(4, 10, 96, dtype=dtype)
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-5
+    f = _check(lambda x, r: m(x + r), x, r, tol=tol)
+    assert f.report.kernels_after == 1
+    assert f.report.groups[0].pattern == "reduction"
+
+
+def test_softmax_rmsnorm_and_statistics() -> None:
+    x = torch.randn(6, 300) * 3
+    w = torch.randn(300)
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        rms = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+        return x.softmax(-1), rms, x.relu().sum(), x.var(0), x.mean(0), x.std(1)
+
+    _check(fn, x)
+
+
+def test_arg_and_logical_reductions_follow_torch() -> None:
+    x = torch.randint(-3, 4, (5, 40)).float()  # ties: the first index wins
+    x[1, 7] = float("nan")  # NaN is the maximum and the minimum
+    x[2, :] = float("-inf")
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (
+            x.argmax(1),
+            x.argmin(1),
+            x.amax(1),
+            x.amin(0),
+            (x > 2).any(1),
+            (x > -4).all(1),
+            x.nan_to_num().prod(0),
+        )
+
+    _check(fn, x)
+
+
+def test_integer_and_comparison_ops() -> None:
+    a = torch.randint(-50, 50, (8, 33))
+    b = torch.randint(1, 7, (8, 33))
+    c = torch.randn(8, 33)
+
+    def fn(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (
+            torch.where(a > 0, c, -c) * 2,
+            torch.remainder(c * 7, 3.0),
+            torch.floor_divide(c * 7, 2.0),
+            (a & 6) | (a ^ 3),
+            torch.maximum(c, c.flip(0)),
+        )
+
+    _check(fn, a, b, c)
+
+
+def test_gemm_epilogue_runs_the_matmul_with_torch_and_the_epilogue_in_triton() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+    x = torch.randn(8, 32)
+    f = _check(lambda x: m(x) + x, x)
+    patterns = [g.pattern for g in f.report.groups]
+    assert "gemm_epilogue" in patterns
+    epi = next(g for g in f.report.groups if g.pattern == "gemm_epilogue")
+    assert "aten.gelu.default" in epi.ops and "unfused" in epi.kernel
+
+
+def test_training_through_torch_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPFUSE_BACKEND", "triton")
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.SiLU(), nn.Linear(32, 4))
+    twin = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.SiLU(), nn.Linear(32, 4))
+    twin.load_state_dict(m.state_dict())
+    x = torch.randn(12, 16)
+    torch._dynamo.reset()
+    compiled = torch.compile(m, backend="opfuse")
+    compiled(x).square().mean().backward()
+    twin(x).square().mean().backward()
+    for p, q in zip(m.parameters(), twin.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-5, rtol=1e-5)
+    # forward and backward graphs both ran Triton kernels
+    report = collect_reports(m, (x,), {}, backward=True)
+    triton_groups = [g for g in report.groups if "@triton.jit" in g.source_code]
+    assert len(triton_groups) >= 4
+    assert {g.pattern for g in triton_groups} == {"reduction"}  # LayerNorm, its backward, sums
+    torch._dynamo.reset()
+
+
+def test_cpu_tensors_without_the_interpreter_run_with_torch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    x = torch.randn(40, 7)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        f = opfuse.compile(_Fn(lambda t: t.sin() * 2 + 1).eval(), (x,), options=TRITON)
+        torch.testing.assert_close(f(x), x.sin() * 2 + 1)
+    assert not _steps(f)
+    assert any("interpreter" in str(w.message) for w in caught)
+
+
+def test_backend_option_is_checked() -> None:
+    with pytest.raises(ValueError, match="backend"):
+        Options(backend="cuda")
+
+
+_UNARY = [torch.sin, torch.exp, torch.tanh, torch.sigmoid, torch.relu, torch.abs, torch.erf,
+          lambda t: t * 0.5, lambda t: t + 1.25, torch.neg, F.silu, F.gelu]  # fmt: skip
+_BINARY = [torch.add, torch.mul, torch.sub, torch.maximum, torch.minimum]
+
+
+@settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(st.data())
+def test_random_pointwise_dags_and_reductions(data: st.DataObject) -> None:
+    rows = data.draw(st.integers(1, 9))
+    cols = data.draw(st.integers(1, 70))
+    transposed = data.draw(st.booleans())
+    x = torch.randn(cols, rows).t() if transposed else torch.randn(rows, cols)
+    y = torch.randn(rows, cols)
+    plan = data.draw(
+        st.lists(
+            st.tuples(st.integers(0, len(_UNARY) - 1), st.integers(0, len(_BINARY) - 1)),
+            min_size=1,
+            max_size=6,
+        )
+    )
+    reduce = data.draw(st.sampled_from(["none", "sum", "amax", "mean", "softmax"]))
+
+    def fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        vals = [x, y]
+        for u, b in plan:
+            vals.append(_BINARY[b](_UNARY[u](vals[-1]), vals[-2]))
+        out = vals[-1]
+        if reduce == "softmax":
+            return out.softmax(-1)
+        if reduce != "none":
+            return getattr(out, reduce)(-1)
+        return out
+
+    _check(fn, x, y, tol=1e-4)
+
+
+def test_integer_division_runs_with_torch_where_triton_has_no_error_flag() -> None:
+    a = torch.randint(-50, 50, (6, 9))
+    b = torch.randint(1, 5, (6, 9))
+    f = opfuse.compile(_Fn(lambda a, b: torch.div(a, b, rounding_mode="floor") + 1).eval(),
+                       (a, b), options=TRITON)  # fmt: skip
+    torch.testing.assert_close(f(a, b), torch.div(a, b, rounding_mode="floor") + 1)
+    assert not _steps(f)  # the C kernels raise ZeroDivisionError through a flag; torch does here
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        f(a, torch.zeros_like(b))
+
+
+def test_a_row_reduction_walks_the_row_in_masked_chunks() -> None:
+    x = torch.randn(5, 300)
+    f = _check(lambda x: x - x.amax(1, keepdim=True), x)
+    src = f.report.groups[0].source_code
+    assert src.count("for roff in range(0, 300, RBLOCK):") == 2  # max, then the stores
+    assert "mask=rmask" in src and "tl.reduce(acc0_lvalue, 1, op_max)" in src
