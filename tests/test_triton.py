@@ -241,3 +241,22 @@ def test_a_row_reduction_walks_the_row_in_masked_chunks() -> None:
     src = f.report.groups[0].source_code
     assert src.count("for roff in range(0, 300, RBLOCK):") == 2  # max, then the stores
     assert "mask=rmask" in src and "tl.reduce(acc0_lvalue, 1, op_max)" in src
+
+
+def test_a_kernel_failing_its_trial_launch_runs_with_torch(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    import opfuse.backends.triton.build as tb
+
+    real = tb.render_kernel
+
+    def broken(name: str, k: object) -> str:  # a launch that fails, as a compile error would
+        return real(name, k).replace("    return 0\n", "    raise RuntimeError('no')\n")  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tb, "render_kernel", broken)
+    x = torch.randn(10, 30)
+    with caplog.at_level("WARNING", logger="opfuse.triton"):
+        f = opfuse.compile(_Fn(lambda t: (t.exp() * 2).sum(1)).eval(), (x,), options=TRITON)
+    torch.testing.assert_close(f(x), (x.exp() * 2).sum(1))
+    assert not _steps(f)
+    assert "failed its trial launch" in caplog.text

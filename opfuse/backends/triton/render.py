@@ -23,9 +23,13 @@ from ...ir.index import Clamp, FloorDiv, Ix, Mod, Var
 from ...ir.scalar import PRIMS, Expr, format_float, walk
 from ...lower.kernel import Accumulate, Kernel, Pass, Store
 
+# Block sizes as inductor's heuristics start them (not tuned: no GPU was available): 1024
+# elements per pointwise program; a reduction program's [XBLOCK, RBLOCK] lane tile holds
+# 1024 elements, 8 per thread of 4 warps, so that float64 accumulators stay in registers.
 XBLOCK_POINTWISE = 1024
-REDUCTION_TILE = 4096  # XBLOCK * RBLOCK of a reduction program
+REDUCTION_TILE = 1024
 RBLOCK_MAX = 1024
+NUM_WARPS = 4
 
 TL = {
     torch.float16: "tl.float16",
@@ -280,7 +284,10 @@ def render_kernel(name: str, k: Kernel) -> str:
     lines.append("")
     lines.append("")
     lines.append(f"def {name}(args, nthreads=0):")
-    lines.append(f"    {name}_kernel[({grid},)](*args, XBLOCK={xblock}, RBLOCK={rblock})")
+    lines.append(
+        f"    {name}_kernel[({grid},)](*args, XBLOCK={xblock}, RBLOCK={rblock}, "
+        f"num_warps={NUM_WARPS})"
+    )
     lines.append("    return 0")
     return "\n".join(lines) + "\n"
 
