@@ -128,6 +128,11 @@ def test_integer_and_comparison_ops() -> None:
             torch.floor_divide(c * 7, 2.0),
             (a & 6) | (a ^ 3),
             torch.maximum(c, c.flip(0)),
+            # constant divisors need no zero check: C truncation fixed up as torch rounds
+            torch.div(a, 3, rounding_mode="floor"),
+            torch.div(a, -4, rounding_mode="trunc"),
+            torch.remainder(a, 5),
+            torch.fmod(a, -4),
         )
 
     _check(fn, a, b, c)
