@@ -119,7 +119,8 @@ def compile_graph(
     """Everything after capture: rewrite, fuse, lower, render, build, tune, plan."""
     opts = options or Options()
     t0 = time.perf_counter()
-    triton = backend(graph, opts) == "triton"
+    chosen, why = backend(graph, opts)
+    triton = chosen == "triton"
     rw = rewrite(graph, opts, triton)
     graph = rw.graph
     kinds = classify(graph, ("cpu", "cuda") if triton else ("cpu",))
@@ -141,6 +142,7 @@ def compile_graph(
     report.layout = rw.layout
     report.attention = rw.attention
     report.random = rw.random
+    report.backend = f"{chosen} ({why})"
     report.compile_seconds = time.perf_counter() - t0
     report.cached = module.cached
     if module.problem:
@@ -171,15 +173,15 @@ class Rewritten:
     random: list[str]  # uniform draws moved into kernels
 
 
-def backend(graph: Graph, opts: Options) -> str:
-    """The backend that runs the graph's kernels: Options.backend, "auto" resolved by where
-    the graph's tensors live."""
+def backend(graph: Graph, opts: Options) -> tuple[str, str]:
+    """The backend that runs the graph's kernels, and why: Options.backend, "auto" resolved
+    by where the graph's tensors live."""
     if opts.backend != "auto":
-        return opts.backend
-    on_gpu = any(
-        isinstance(n.meta, TensorMeta) and n.meta.device.startswith("cuda") for n in graph.nodes
-    )
-    return "triton" if on_gpu else "c"
+        return opts.backend, "Options.backend / OPFUSE_BACKEND"
+    gpu = sorted({n.meta.device for n in graph.nodes if isinstance(n.meta, TensorMeta)} - {"cpu"})
+    if any(d.startswith("cuda") for d in gpu):
+        return "triton", f"tensors on {', '.join(gpu)}"
+    return "c", "tensors on the CPU"
 
 
 def rewrite(graph: Graph, opts: Options, triton: bool = False) -> Rewritten:

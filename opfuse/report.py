@@ -68,6 +68,7 @@ class FusionReport:
     layout: str = ""  # the activation layout chosen for convolutions, and why
     attention: list[str] = field(default_factory=list)  # attentions run as one fused call
     random: list[str] = field(default_factory=list)  # uniform draws generated in kernels
+    backend: str = ""  # which backend generated the kernels, and why
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,6 +105,7 @@ class FusionReport:
             "; ".join(x for x in (self.layout, other.layout) if x),
             self.attention + other.attention,
             self.random + other.random,
+            self.backend or other.backend,
         )
 
     def patterns(self) -> dict[str, int]:
@@ -156,6 +158,8 @@ def format_table(r: FusionReport, width: int = 100) -> str:
         lines.append(a)
     if r.layout:
         lines.append(f"layout: {r.layout}")
+    if r.backend and not r.backend.startswith("c "):
+        lines.append(f"backend: {r.backend}")  # (the C backend is the default: not repeated)
     return "\n".join(lines)
 
 

@@ -64,6 +64,8 @@ def test_elementwise_chain_is_one_triton_kernel() -> None:
     [g] = f.report.groups
     assert g.pattern == "elementwise"
     assert "@triton.jit" in g.source_code and "tl.store(out0" in g.source_code
+    assert f.report.backend.startswith("triton (Options.backend")
+    assert "backend: triton" in str(f.report)
 
 
 def test_broadcast_strided_and_transposed_inputs() -> None:
@@ -265,3 +267,11 @@ def test_a_kernel_failing_its_trial_launch_runs_with_torch(
     torch.testing.assert_close(f(x), (x.exp() * 2).sum(1))
     assert not _steps(f)
     assert "failed its trial launch" in caplog.text
+
+
+def test_auto_backend_is_c_for_cpu_graphs_and_says_why() -> None:
+    x = torch.randn(8, 8)
+    f = opfuse.compile(_Fn(lambda t: t.relu() * 2).eval(), (x,))
+    assert f.report.backend == "c (tensors on the CPU)"
+    assert _steps(f) and not any(s.tensors for s in _steps(f))
+    assert "backend:" not in str(f.report)  # the default is not repeated in the table
