@@ -200,8 +200,8 @@ def rewrite(graph: Graph, opts: Options, triton: bool = False) -> Rewritten:
         relaid = channels_last(graph)
         graph, layout = relaid.graph, relaid.note
     random: list[str] = []
-    if opts.random == "kernel" and not triton:  # (Triton: torch draws them)
-        graph, random = random_in_kernels(graph)
+    if opts.random == "kernel":
+        graph, random = random_in_kernels(graph, ("cpu", "cuda") if triton else ("cpu",))
     graph = copies_in_kernels(graph)
     return Rewritten(graph, folds, refusals, layout, attention, random)
 

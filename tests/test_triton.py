@@ -275,3 +275,56 @@ def test_auto_backend_is_c_for_cpu_graphs_and_says_why() -> None:
     assert f.report.backend == "c (tensors on the CPU)"
     assert _steps(f) and not any(s.tensors for s in _steps(f))
     assert "backend:" not in str(f.report)  # the default is not repeated in the table
+
+
+def test_dropout_masks_drawn_in_the_kernel_match_the_c_backend() -> None:
+    class Drop(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return F.dropout(x.sin(), 0.3, training=True) * 2
+
+    x = torch.randn(64, 33)
+    in_c = opfuse.compile(Drop().eval(), (x,))
+    in_triton = _check_steps(opfuse.compile(Drop().eval(), (x,), options=TRITON))
+    assert in_triton.report.random and in_c.report.random  # drawn inside the kernels
+    torch.manual_seed(1)
+    a = in_c(x)
+    torch.manual_seed(1)
+    b = in_triton(x)
+    assert torch.equal(a != 0, b != 0)  # the same SplitMix64 stream from the same seed
+    torch.testing.assert_close(a, b)  # (sin may differ in the last bit between libms)
+    kept = b != 0
+    assert 0.6 < kept.float().mean().item() < 0.8
+    torch.testing.assert_close(b[kept], (x.sin() * 2 / 0.7)[kept])
+
+
+def _check_steps(f: opfuse.CompiledModule) -> opfuse.CompiledModule:
+    steps = _steps(f)
+    assert steps and all(s.tensors for s in steps)
+    return f
+
+
+def test_shifts_follow_torch() -> None:
+    a = torch.randint(-(2**40), 2**40, (5, 17))
+    s = torch.randint(0, 70, (5, 17))
+
+    def fn(a: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return a >> 3, a << 5, (a >> s) + 1, (a << s) - 1
+
+    _check(fn, a, s)
+
+
+def test_dropout_backward_redraws_the_forward_mask(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OPFUSE_BACKEND", "triton")
+    drop = nn.Dropout(0.25).train()
+    x = torch.randn(48, 40, requires_grad=True)
+    torch._dynamo.reset()
+    report = collect_reports(drop, (x,), {}, backward=True)
+    assert report.random and any("@triton.jit" in g.source_code for g in report.groups)
+    x.grad = None
+    compiled = torch.compile(drop, backend="opfuse")
+    y = compiled(x)
+    y.square().sum().backward()
+    assert x.grad is not None
+    kept = (y != 0).float()
+    torch.testing.assert_close(x.grad, 2 * y * kept / 0.75)
+    torch._dynamo.reset()

@@ -137,8 +137,8 @@ PRIMS: dict[str, Prim] = {
     "or": Prim(2, "same", "({0} | {1})", triton="({0} | {1})"),
     "xor": Prim(2, "same", "({0} ^ {1})", triton="({0} ^ {1})"),
     "not": Prim(1, "same", "(!{0})", "op_not_{T}({0})", triton="(~{0})"),
-    "shl": Prim(2, "same", "op_shl_{T}({0}, {1})", "op_shl_{T}({0}, {1})", triton="({0} << {1})"),
-    "shr": Prim(2, "same", "op_shr_{T}({0}, {1})", "op_shr_{T}({0}, {1})", triton="({0} >> {1})"),
+    "shl": Prim(2, "same", "op_shl_{T}({0}, {1})", "op_shl_{T}({0}, {1})", triton="op_shl({0}, {1})"),
+    "shr": Prim(2, "same", "op_shr_{T}({0}, {1})", "op_shr_{T}({0}, {1})", triton="op_shr({0}, {1})"),
     # counter-based random bits: SplitMix64's finaliser of seed + (counter + 1) * golden
     "mix64": Prim(2, "same", "op_mix64({0}, {1})", "op_mix64({0}, {1})",
                   triton="op_mix64({0}, {1})"),

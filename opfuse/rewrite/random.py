@@ -47,7 +47,7 @@ def rand(seed: torch.Tensor, size: list[int], dtype: torch.dtype, offset: int) -
     torch for a group that runs unfused."""
     n = math.prod(size)
     bits = RANDOM_BITS[dtype]
-    counter = torch.arange(offset, offset + n, dtype=torch.int64)
+    counter = torch.arange(offset, offset + n, dtype=torch.int64, device=seed.device)
     z = seed.to(torch.int64) + (counter + 1) * _signed(_GOLDEN)
     z = (z ^ _shr(z, 30)) * _signed(_MIX1)
     z = (z ^ _shr(z, 27)) * _signed(_MIX2)
@@ -60,7 +60,7 @@ def rand(seed: torch.Tensor, size: list[int], dtype: torch.dtype, offset: int) -
 def _rand_fake(
     seed: torch.Tensor, size: list[int], dtype: torch.dtype, offset: int
 ) -> torch.Tensor:
-    return torch.empty(size, dtype=dtype)
+    return torch.empty(size, dtype=dtype, device=seed.device)
 
 
 def _signed(c: int) -> int:
@@ -72,18 +72,22 @@ def _shr(z: torch.Tensor, k: int) -> torch.Tensor:
     return (z >> k) & ((1 << (64 - k)) - 1)
 
 
-def random_in_kernels(graph: Graph) -> tuple[Graph, list[str]]:
-    """Rewrite torch's uniform draws into seed + counter-based `opfuse.rand` calls; also
-    returns a line for the report."""
+def random_in_kernels(graph: Graph, devices: tuple[str, ...] = ("cpu",)) -> tuple[Graph, list[str]]:
+    """Rewrite torch's uniform draws on one of `devices` (the backend's) into seed +
+    counter-based `opfuse.rand` calls; also returns a line for the report."""
     if any(any(s in n.op for s in _RNG_STATE) for n in graph.nodes):
         return graph, ["random numbers: torch's generator kept (the graph replays its state)"]
-    targets = [n for n in graph.nodes if _rewritable(n)]
+    targets = [n for n in graph.nodes if _rewritable(n, devices)]
+    on = {n.tensor.device for n in targets}
+    if len(on) > 1:  # one seed, on one device, per graph
+        targets = [n for n in targets if n.tensor.device == min(on)]
     if not targets:
         return graph, []
     b = GraphBuilder().copy_from(graph)
     chosen = set(targets)
     # One seed per call of the graph; each draw takes its own range of counters.
-    s = b.call(torch.ops.opfuse.seed.default, torch.device("cpu"), source=targets[0].source)
+    device = torch.device(targets[0].tensor.device)
+    s = b.call(torch.ops.opfuse.seed.default, device, source=targets[0].source)
     offset = 0
     for n in graph.nodes:
         b.copy(n)
@@ -102,12 +106,12 @@ def random_in_kernels(graph: Graph) -> tuple[Graph, list[str]]:
     return b.build(graph.outputs), [note]
 
 
-def _rewritable(n: Node) -> bool:
+def _rewritable(n: Node, devices: tuple[str, ...]) -> bool:
     if n.op not in RANDOM_OPS or not isinstance(n.meta, TensorMeta):
         return False
     kw = dict(n.kwargs)
     return (
         n.meta.dtype in RANDOM_BITS
         and kw.get("generator") is None  # a caller's generator is theirs to advance
-        and str(kw.get("device") or "cpu").startswith("cpu")
+        and n.meta.device.split(":")[0] in devices
     )

@@ -43,8 +43,6 @@ TL = {
     torch.uint8: "tl.uint8",
     torch.bool: "tl.int1",
 }
-# Integer forms that would need torch's error flag or 64-bit helpers Triton lacks here.
-_UNSUPPORTED = frozenset({"mix64", "shl", "shr"})
 _NEEDS_FLOAT_HELPER = {"pow": "op_pow_int"}
 
 
@@ -100,6 +98,33 @@ def op_fmod_int(a, b):
 def op_remainder_int(a, b):
     r = a % b
     return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+
+
+@triton.jit
+def op_shr(a, b):
+    # torch's >>: arithmetic on signed types; past the width, the sign fills
+    bits: tl.constexpr = a.dtype.primitive_bitwidth
+    big = (b < 0) | (b >= bits)
+    fill = tl.where(a < 0, -1, 0).to(a.dtype)
+    return tl.where(big, fill, a >> tl.where(big, 0, b).to(a.dtype))
+
+
+@triton.jit
+def op_shl(a, b):
+    bits: tl.constexpr = a.dtype.primitive_bitwidth
+    big = (b < 0) | (b >= bits)
+    return tl.where(big, 0, a << tl.where(big, 0, b).to(a.dtype)).to(a.dtype)
+
+
+@triton.jit
+def op_mix64(seed, counter):
+    # rewrite/random.py's SplitMix64 of (seed, counter), as the C prelude computes it
+    z = seed.to(tl.uint64, bitcast=True) + (counter.to(tl.uint64, bitcast=True) + 1) * (
+        0x9E3779B97F4A7C15
+    )
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB
+    return (z ^ (z >> 31)).to(tl.int64, bitcast=True)
 
 
 @triton.jit
@@ -242,8 +267,6 @@ class _Emitter:
             if src == torch.bool:
                 return f"{x}.to(tl.int8).to({TL[e.dtype]})"
             return f"{x}.to({TL[e.dtype]})"
-        if e.op in _UNSUPPORTED:
-            raise NotRenderable(f"{e.op} has no Triton form here")
         prim = PRIMS[e.op]
         operand = e.args[0].dtype if e.op != "where" else e.args[1].dtype
         integer = not operand.is_floating_point
