@@ -231,15 +231,21 @@ def test_random_pointwise_dags_and_reductions(data: st.DataObject) -> None:
     _check(fn, x, y, tol=1e-4)
 
 
-def test_integer_division_runs_with_torch_where_triton_has_no_error_flag() -> None:
+@pytest.mark.parametrize("reduce", [False, True])
+def test_integer_division_by_zero_raises_as_torch_does(reduce: bool) -> None:
     a = torch.randint(-50, 50, (6, 9))
     b = torch.randint(1, 5, (6, 9))
-    f = opfuse.compile(_Fn(lambda a, b: torch.div(a, b, rounding_mode="floor") + 1).eval(),
-                       (a, b), options=TRITON)  # fmt: skip
-    torch.testing.assert_close(f(a, b), torch.div(a, b, rounding_mode="floor") + 1)
-    assert not _steps(f)  # the C kernels raise ZeroDivisionError through a flag; torch does here
+
+    def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        q = torch.div(a, b, rounding_mode="floor") + torch.remainder(a, b)
+        return q.sum(1) if reduce else q
+
+    f = _check(fn, a, b)
+    b[3, 4] = 0
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
-        f(a, torch.zeros_like(b))
+        f(a, b)
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        fn(a, b)
 
 
 def test_a_row_reduction_walks_the_row_in_masked_chunks() -> None:

@@ -283,8 +283,6 @@ class _Emitter:
 def render_kernel(name: str, k: Kernel) -> str:
     """The Triton source of kernel `k`: `{name}_kernel` (jit) and `{name}(args, nthreads)`,
     the launcher the runtime calls with the kernel's buffers in order."""
-    if k.checks:
-        raise NotRenderable("integer division needs the error flag the C kernels raise")
     for p in k.passes:
         for a in p.accumulates:
             if a.combine not in _COMBINES:
@@ -292,7 +290,8 @@ def render_kernel(name: str, k: Kernel) -> str:
     outer = k.outer_size
     lines = [f"# {name}: {', '.join(k.ops)}"]
     lines.append(f"# reads {k.bytes_read} bytes, writes {k.bytes_written} bytes")
-    params = ", ".join(b.name for b in k.buffers)
+    # a kernel dividing integers sets err[0] where a divisor is 0 (torch raises then)
+    params = ", ".join([b.name for b in k.buffers] + (["err"] if k.checks else []))
     lines.append("@triton.jit")
     lines.append(f"def {name}_kernel({params}, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):")
     counter = [0]
@@ -307,17 +306,22 @@ def render_kernel(name: str, k: Kernel) -> str:
     lines.append("")
     lines.append("")
     lines.append(f"def {name}(args, nthreads=0):")
+    err = ""
+    if k.checks:
+        lines.append("    err = torch.zeros(1, dtype=torch.int32, device=args[0].device)")
+        err = ", err"
     lines.append(
-        f"    {name}_kernel[({grid},)](*args, XBLOCK={xblock}, RBLOCK={rblock}, "
+        f"    {name}_kernel[({grid},)](*args{err}, XBLOCK={xblock}, RBLOCK={rblock}, "
         f"num_warps={NUM_WARPS})"
     )
-    lines.append("    return 0")
+    lines.append("    return int(err.item())" if k.checks else "    return 0")
     return "\n".join(lines) + "\n"
 
 
 def render_module(kernels: Sequence[str]) -> str:
     """One importable module: the helpers, then the rendered kernels."""
     head = [
+        "import torch",
         "import triton",
         "import triton.language as tl",
         "from opfuse.backends.triton.libdevice import libdevice",
@@ -366,10 +370,17 @@ def _stores(em: _Emitter, stores: Sequence[Store], lines: list[str], indent: str
         )
 
 
+def _checks(em: _Emitter, checks: Sequence[Expr], lines: list[str], indent: str) -> None:
+    em.emit(checks, lines, indent)
+    for c in checks:
+        lines.append(f"{indent}tl.store(err + {em.zero} * 0, 1, mask={em.mask} & {em.ref(c)})")
+
+
 def _pointwise(k: Kernel, lines: list[str], counter: list[int]) -> None:
     ind = "    "
     _outer_vars(k, lines, ind, "")
     em = _Emitter(counter)
+    _checks(em, k.checks, lines, ind)
     for p in k.passes:
         _stores(em, p.stores, lines, ind)
         _stores(em, p.after, lines, ind)
@@ -414,11 +425,13 @@ def _rows(k: Kernel, lines: list[str], counter: list[int]) -> None:
     ind = "    "
     _outer_vars(k, lines, ind, "[:, None]")
     em = _Emitter(counter)
-    for p in k.passes:
-        _pass(k, p, em, lines, ind)
+    for i, p in enumerate(k.passes):
+        _pass(k, p, em, lines, ind, k.checks if i == 0 else ())
 
 
-def _pass(k: Kernel, p: Pass, em: _Emitter, lines: list[str], ind: str) -> None:
+def _pass(
+    k: Kernel, p: Pass, em: _Emitter, lines: list[str], ind: str, checks: Sequence[Expr]
+) -> None:
     for a in p.accumulates:
         for f, init in _COMBINES[a.combine]:
             v, t = _initial(a, f, init)
@@ -431,6 +444,7 @@ def _pass(k: Kernel, p: Pass, em: _Emitter, lines: list[str], ind: str) -> None:
     _delinearize(k.inner, "rl", lines, body)
     em.scopes.append({})
     em.mask, em.zero = "rmask", "rzero"
+    _checks(em, checks, lines, body)
     em.emit([a.value for a in p.accumulates], lines, body)
     for a in p.accumulates:
         _fold(a, em, lines, body)
