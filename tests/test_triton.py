@@ -309,12 +309,13 @@ def _check_steps(f: opfuse.CompiledModule) -> opfuse.CompiledModule:
     return f
 
 
-def test_shifts_follow_torch() -> None:
+def test_shifts_and_integer_powers_follow_torch() -> None:
     a = torch.randint(-(2**40), 2**40, (5, 17))
     s = torch.randint(0, 70, (5, 17))
 
     def fn(a: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return a >> 3, a << 5, (a >> s) + 1, (a << s) - 1
+        p = torch.pow(a % 7 - 3, s % 9 - 2)  # integer powers, negative exponents included
+        return a >> 3, a << 5, (a >> s) + 1, (a << s) - 1, p
 
     _check(fn, a, s)
 

@@ -43,7 +43,6 @@ TL = {
     torch.uint8: "tl.uint8",
     torch.bool: "tl.int1",
 }
-_NEEDS_FLOAT_HELPER = {"pow": "op_pow_int"}
 
 
 class NotRenderable(Exception):
@@ -114,6 +113,21 @@ def op_shl(a, b):
     bits: tl.constexpr = a.dtype.primitive_bitwidth
     big = (b < 0) | (b >= bits)
     return tl.where(big, 0, a << tl.where(big, 0, b).to(a.dtype)).to(a.dtype)
+
+
+@triton.jit
+def op_pow_int(a, b):
+    # torch's integer pow: wraps like repeated multiplication; a negative exponent gives
+    # 1 for a == 1, +-1 for a == -1, 0 otherwise
+    r = a * 0 + 1
+    x = a
+    e = tl.where(b < 0, 0, b)
+    for _ in tl.static_range(63):
+        r = tl.where((e & 1) != 0, r * x, r)
+        x = x * x
+        e = e >> 1
+    neg = tl.where(a == 1, 1, tl.where(a == -1, tl.where((b % 2) == 0, 1, -1), 0))
+    return tl.where(b < 0, neg.to(r.dtype), r)
 
 
 @triton.jit
@@ -270,8 +284,6 @@ class _Emitter:
         prim = PRIMS[e.op]
         operand = e.args[0].dtype if e.op != "where" else e.args[1].dtype
         integer = not operand.is_floating_point
-        if integer and e.op in _NEEDS_FLOAT_HELPER:
-            raise NotRenderable(f"integer {e.op} has no Triton form here")
         tmpl = prim.triton_int if integer and prim.triton_int is not None else prim.triton
         if not tmpl:
             raise NotRenderable(f"{e.op} has no Triton formula")
