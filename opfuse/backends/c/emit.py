@@ -4,13 +4,14 @@ expression DAGs into named C values. Formatting only."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
-from ...ir.index import Clamp, FloorDiv, Ix, Mod, Var
+from ...ir.index import Ix, Var
 from ...ir.scalar import PRIMS, Expr, format_float, walk
 from ...lower.kernel import Kernel, Store
+from ..common import IndexSyntax, Namer, index_text
 
 CTYPE = {
     torch.float32: "float",
@@ -76,50 +77,26 @@ def convert(x: str, src: torch.dtype, dst: torch.dtype) -> str:
     return f"(({CTYPE[dst]})({x}))"
 
 
+_INDEX = IndexSyntax(
+    floordiv="(({x}) / {d})",
+    mod="(({x}) % {d})",
+    clamp="(({x}) < 0 ? 0 : ({x}) > {hi} ? {hi} : ({x}))",
+    scaled="{c}*{a}",
+)
+
+
 def index(ix: Ix) -> str:
-    parts = []
-    for atom, c in ix.terms:
-        if isinstance(atom, Var):
-            a = atom.name
-        elif isinstance(atom, FloorDiv):
-            a = f"(({index(atom.x)}) / {atom.d})"
-        elif isinstance(atom, Clamp):
-            x = index(atom.x)
-            a = f"(({x}) < 0 ? 0 : ({x}) > {atom.hi} ? {atom.hi} : ({x}))"
-        else:
-            assert isinstance(atom, Mod)
-            a = f"(({index(atom.x)}) % {atom.d})"
-        parts.append(a if c == 1 else f"{c}*{a}")
-    if ix.const or not parts:
-        parts.append(str(ix.const))
-    return " + ".join(parts)
+    return index_text(ix, _INDEX)
 
 
-class Emitter:
+class Emitter(Namer):
     """Linearises Expr DAGs into C statements, naming each value once per scope."""
 
-    def __init__(self, scopes: list[dict[Expr, str]], counter: list[int]) -> None:
-        self.scopes = scopes
-        self.counter = counter
+    def inline(self, e: Expr) -> bool:
+        return e.op == "const"
 
-    def lookup(self, e: Expr) -> str | None:
-        for s in reversed(self.scopes):
-            if e in s:
-                return s[e]
-        return None
-
-    def emit(self, roots: Iterable[Expr], lines: list[str], indent: str) -> None:
-        for e in walk(list(roots)):
-            if self.lookup(e) is not None:
-                continue
-            text = self.text(e)
-            if e.op == "const":
-                self.scopes[-1][e] = text
-                continue
-            self.counter[0] += 1
-            name = f"t{self.counter[0]}"
-            lines.append(f"{indent}const {VALUE[e.dtype]} {name} = {text};")
-            self.scopes[-1][e] = name
+    def assign(self, name: str, e: Expr, text: str) -> str:
+        return f"const {VALUE[e.dtype]} {name} = {text};"
 
     def registers(self, staged: dict[Expr, str], lines: list[str], indent: str) -> dict[Expr, str]:
         """Read each staged element into a named value at the top of the vector loop's body:
@@ -127,16 +104,10 @@ class Emitter:
         the select and the whole loop, its math included, stays scalar."""
         out: dict[Expr, str] = {}
         for e, ref in staged.items():
-            self.counter[0] += 1
-            name = f"t{self.counter[0]}"
+            name = self.fresh()
             lines.append(f"{indent}const {VALUE[e.dtype]} {name} = {ref};")
             out[e] = name
         return out
-
-    def ref(self, e: Expr) -> str:
-        name = self.lookup(e)
-        assert name is not None, f"{e!r} used before it was emitted"
-        return name
 
     def text(self, e: Expr) -> str:
         if e.op == "const":

@@ -19,9 +19,10 @@ from collections.abc import Sequence
 
 import torch
 
-from ...ir.index import Clamp, FloorDiv, Ix, Mod, Var
-from ...ir.scalar import PRIMS, Expr, format_float, walk
+from ...ir.index import Ix, Var
+from ...ir.scalar import PRIMS, Expr, format_float
 from ...lower.kernel import Accumulate, Kernel, Pass, Store
+from ..common import IndexSyntax, Namer, index_text
 
 # Block sizes as inductor's heuristics start them (not tuned: no GPU was available): 1024
 # elements per pointwise program; a reduction program's [XBLOCK, RBLOCK] lane tile holds
@@ -210,55 +211,30 @@ def literal(value: object, dtype: torch.dtype) -> str:
     return str(int(value))  # type: ignore[call-overload]
 
 
+_INDEX = IndexSyntax(
+    floordiv="(({x}) // {d})",
+    mod="(({x}) % {d})",
+    clamp="tl.minimum(tl.maximum({x}, 0), {hi})",
+    scaled="{c} * {a}",
+)
+
+
 def index(ix: Ix) -> str:
-    parts = []
-    for atom, c in ix.terms:
-        if isinstance(atom, Var):
-            a = atom.name
-        elif isinstance(atom, FloorDiv):
-            a = f"(({index(atom.x)}) // {atom.d})"
-        elif isinstance(atom, Clamp):
-            a = f"tl.minimum(tl.maximum({index(atom.x)}, 0), {atom.hi})"
-        else:
-            assert isinstance(atom, Mod)
-            a = f"(({index(atom.x)}) % {atom.d})"
-        parts.append(a if c == 1 else f"{c} * {a}")
-    if ix.const or not parts:
-        parts.append(str(ix.const))
-    return " + ".join(parts)
+    return index_text(ix, _INDEX)
 
 
-class _Emitter:
+class _Emitter(Namer):
     """Linearises Expr DAGs into Triton assignments, naming each value once per scope.
     `zero` is an int64 tensor of the scope's shape: added to an index it gives every
     position (and every scalar load) that shape."""
 
     def __init__(self, counter: list[int]) -> None:
-        self.scopes: list[dict[Expr, str]] = [{}]
-        self.counter = counter
+        super().__init__([{}], counter)
         self.mask = "xmask"
         self.zero = "xzero"
 
-    def lookup(self, e: Expr) -> str | None:
-        for s in reversed(self.scopes):
-            if e in s:
-                return s[e]
-        return None
-
-    def emit(self, roots: Sequence[Expr], lines: list[str], indent: str) -> None:
-        for e in walk(list(roots)):
-            if self.lookup(e) is not None:
-                continue
-            text = self.text(e)
-            self.counter[0] += 1
-            name = f"t{self.counter[0]}"
-            lines.append(f"{indent}{name} = {text}")
-            self.scopes[-1][e] = name
-
-    def ref(self, e: Expr) -> str:
-        name = self.lookup(e)
-        assert name is not None, f"{e!r} used before it was emitted"
-        return name
+    def assign(self, name: str, e: Expr, text: str) -> str:
+        return f"{name} = {text}"
 
     def text(self, e: Expr) -> str:
         if e.op == "const":
