@@ -230,8 +230,9 @@ def _extract(source: str, name: str) -> str:
     start = source.find(f"int {name}(")
     if start < 0:
         start = source.find(f"# {name}: ")
-        end = source.find("    return 0\n", start)
-        return source[start : end + len("    return 0\n")] if start >= 0 and end >= 0 else ""
+        end = source.find("\n    return ", start) if start >= 0 else -1
+        end = source.find("\n", end + 1) if end >= 0 else -1
+        return source[start : end + 1] if end >= 0 else ""
     head = source.rfind("/*", 0, start)
     end = source.find("\n}\n", start)
     return source[head if head >= 0 else start : end + 3 if end >= 0 else len(source)]

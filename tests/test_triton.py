@@ -241,6 +241,10 @@ def test_integer_division_by_zero_raises_as_torch_does(reduce: bool) -> None:
         return q.sum(1) if reduce else q
 
     f = _check(fn, a, b)
+    [g] = f.report.groups
+    assert g.source_code.count("@triton.jit") == 1 and g.source_code.endswith(
+        "    return int(err.item())\n"
+    )  # (the launcher reads the error flag)
     b[3, 4] = 0
     with pytest.raises(RuntimeError, match="ZeroDivisionError"):
         f(a, b)
