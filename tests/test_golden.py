@@ -1,7 +1,7 @@
 """Generated source of a few fixed graphs, kept in tests/golden/: a change to what the
 renderers write shows here as a diff to look at (and to accept with
 OPFUSE_UPDATE_GOLDEN=1). Kernel schedules do not depend on the machine (thread counts
-only size GEMM tiles, which these graphs do not have); the C prelude is not included."""
+only size GEMM tiles, which these graphs do not have); the preludes are not included."""
 
 from __future__ import annotations
 
@@ -78,4 +78,7 @@ def test_c_source_is_unchanged(name: str) -> None:
 def test_triton_source_is_unchanged(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    _compare(GOLDEN / f"{name}.py", _source(name, Options(backend="triton")))
+    from opfuse.backends.triton.render import PRELUDE
+
+    kernels = _source(name, Options(backend="triton")).split(PRELUDE, 1)[1]  # (helpers: once)
+    _compare(GOLDEN / f"{name}.py", kernels)
