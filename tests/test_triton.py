@@ -339,3 +339,34 @@ def test_dropout_backward_redraws_the_forward_mask(monkeypatch: pytest.MonkeyPat
     kept = (y != 0).float()
     torch.testing.assert_close(x.grad, 2 * y * kept / 0.75)
     torch._dynamo.reset()
+
+
+def test_integer_and_half_reductions() -> None:
+    i = torch.randint(-1000, 1000, (7, 45))
+    h = torch.randn(7, 45, dtype=torch.float16)
+
+    def fn(i: torch.Tensor, h: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (
+            i.sum(1),
+            i.to(torch.int32).argmax(0),
+            i.amax(1),
+            i.amin(0),
+            (i % 3).prod(1),
+            h.sum(1),
+            h.float().softmax(0).half(),
+            h.amax(0),
+        )
+
+    _check(fn, i, h, tol=2e-3)
+
+
+def test_channels_last_statistics_and_group_norm() -> None:
+    x = torch.randn(4, 16, 9, 11).to(memory_format=torch.channels_last)
+    gn = nn.GroupNorm(4, 16)
+    nn.init.normal_(gn.weight)
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        var, mean = torch.var_mean(x, (0, 2, 3))
+        return var, mean, F.silu(gn(x)), x.amax((2, 3))
+
+    _check(fn, x, tol=1e-4)
