@@ -59,7 +59,8 @@ def load(source: str) -> tuple[ModuleType, bool]:
     d = cache_dir() / "triton"
     d.mkdir(mode=0o700, exist_ok=True)
     path = d / f"k{key}.py"
-    name = f"opfuse_triton_k{key}"
+    # triton.jit fixes interpreted or compiled when the module is imported
+    name = f"opfuse_triton_k{key}" + ("_interpreted" if interpreting() else "")
     with _lock:
         cached = path.exists() and path.read_text() == source
         if not cached:

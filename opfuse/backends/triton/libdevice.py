@@ -5,7 +5,6 @@ computed with numpy on the interpreter's arrays."""
 from __future__ import annotations
 
 import math
-import os
 from types import SimpleNamespace
 from typing import Any
 
@@ -48,10 +47,17 @@ def _interpreted() -> Any:
     return SimpleNamespace(**{k: wrap(f) for k, f in table.items()})
 
 
-libdevice: Any
-if os.environ.get("TRITON_INTERPRET") == "1":
-    libdevice = _interpreted()
-else:
-    from triton.language.extra import libdevice as _device
+def for_mode(interpret: bool) -> Any:
+    """The libdevice a generated module binds: numpy's under the interpreter, Triton's
+    otherwise (each made once)."""
+    if interpret not in _MADE:
+        if interpret:
+            _MADE[interpret] = _interpreted()
+        else:
+            from triton.language.extra import libdevice as device
 
-    libdevice = _device
+            _MADE[interpret] = device
+    return _MADE[interpret]
+
+
+_MADE: dict[bool, Any] = {}

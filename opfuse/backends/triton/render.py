@@ -312,7 +312,10 @@ def render_module(kernels: Sequence[str]) -> str:
         "import torch",
         "import triton",
         "import triton.language as tl",
-        "from opfuse.backends.triton.libdevice import libdevice",
+        "import os",
+        "from opfuse.backends.triton.libdevice import for_mode",
+        "",
+        'libdevice = for_mode(os.environ.get("TRITON_INTERPRET") == "1")',
         PRELUDE,
     ]
     return "\n".join(head) + "\n\n" + "\n\n".join(kernels)
