@@ -32,7 +32,7 @@ from .explain import make_report
 from .fusion.classify import classify
 from .fusion.groups import Partition, check_partition
 from .fusion.partition import Fuel, partition
-from .ir.graph import CONSTANT, INPUT, Graph, TensorMeta
+from .ir.graph import CONSTANT, INPUT, Graph
 from .lower.groups import lower_groups
 from .plan import Built, BuiltCall, build_plan, copied
 from .progress import Progress
@@ -121,9 +121,10 @@ def compile_graph(
     t0 = time.perf_counter()
     chosen, why = backend(graph, opts)
     triton = chosen == "triton"
-    rw = rewrite(graph, opts, triton)
+    devices = ("cpu", "cuda") if triton else ("cpu",)  # where the backend's kernels run
+    rw = rewrite(graph, opts, devices)
     graph = rw.graph
-    kinds = classify(graph, ("cpu", "cuda") if triton else ("cpu",))
+    kinds = classify(graph, devices)
     part = partition(graph, kinds, Fuel(opts.fuel))
     check_partition(graph, part)
     lowered = lower_groups(graph, part)
@@ -178,13 +179,13 @@ def backend(graph: Graph, opts: Options) -> tuple[str, str]:
     by where the graph's tensors live."""
     if opts.backend != "auto":
         return opts.backend, "Options.backend / OPFUSE_BACKEND"
-    gpu = sorted({n.meta.device for n in graph.nodes if isinstance(n.meta, TensorMeta)} - {"cpu"})
+    gpu = sorted(graph.devices - {"cpu"})
     if any(d.startswith("cuda") for d in gpu):
         return "triton", f"tensors on {', '.join(gpu)}"
     return "c", "tensors on the CPU"
 
 
-def rewrite(graph: Graph, opts: Options, triton: bool = False) -> Rewritten:
+def rewrite(graph: Graph, opts: Options, devices: tuple[str, ...] = ("cpu",)) -> Rewritten:
     folds: list[Fold] = []
     refusals: list[Refusal] = []
     if opts.fold_batchnorm:
@@ -201,7 +202,7 @@ def rewrite(graph: Graph, opts: Options, triton: bool = False) -> Rewritten:
         graph, layout = relaid.graph, relaid.note
     random: list[str] = []
     if opts.random == "kernel":
-        graph, random = random_in_kernels(graph, ("cpu", "cuda") if triton else ("cpu",))
+        graph, random = random_in_kernels(graph, devices)
     graph = copies_in_kernels(graph)
     return Rewritten(graph, folds, refusals, layout, attention, random)
 

@@ -174,6 +174,11 @@ class Graph:
     def compute_nodes(self) -> list[Node]:
         return [n for n in self.nodes if n.op not in (INPUT, CONSTANT)]
 
+    @functools.cached_property
+    def devices(self) -> frozenset[str]:
+        """The devices of the graph's single-tensor values ("cpu", "cuda:0", ...)."""
+        return frozenset(n.meta.device for n in self.nodes if isinstance(n.meta, TensorMeta))
+
     def __iter__(self) -> Iterator[Node]:
         return iter(self.nodes)
 

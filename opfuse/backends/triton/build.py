@@ -106,13 +106,13 @@ def build_module(graph: Graph, lowered: Lowered) -> Module:
             lib, mod.cached = load(source)
         except Exception as e:  # triton missing, or the source does not import
             mod.problem = f"opfuse: Triton kernels could not be built, running with torch ({e})"
-    device = "cuda" if _on_gpu(graph) else "cpu"
+    metas = {n.name: n.meta for n in graph.nodes}
     for gid in lowered.candidates:
         makers: dict[str, Make] = {}
         if gid in kernels and gid in rendered and lib is not None:
             cname, name, k = kernels[gid]
             fn = getattr(lib, name)
-            if _trial(k, fn, device):
+            if _trial(k, fn, [metas[b.value] for b in k.buffers]):
                 makers[cname] = functools.partial(_built, k, fn)
             else:
                 makers["torch"] = _torch_runs
@@ -123,17 +123,15 @@ def build_module(graph: Graph, lowered: Lowered) -> Module:
     return mod
 
 
-def _trial(k: Kernel, fn: Any, device: str) -> bool:
-    """Launch the kernel once on scratch buffers of its shapes: Triton compiles on the first
-    launch, and a kernel it cannot compile must fail here, where torch can still run the
-    group, not inside a model's call."""
+def _trial(k: Kernel, fn: Any, metas: list[TensorMeta]) -> bool:
+    """Launch the kernel once on scratch buffers laid out as its buffers' values (`metas`):
+    Triton compiles on the first launch, and a kernel it cannot compile must fail here,
+    where torch can still run the group, not inside a model's call."""
     import torch
 
     args = [
-        torch.zeros(_span(b.shape, b.stride), dtype=b.dtype, device=device).as_strided(
-            b.shape, b.stride
-        )
-        for b in k.buffers
+        torch.zeros(m.span, dtype=m.dtype, device=m.device).as_strided(m.shape, m.stride)
+        for m in metas
     ]
     try:
         fn(args, 0)
@@ -143,19 +141,12 @@ def _trial(k: Kernel, fn: Any, device: str) -> bool:
     return True
 
 
-def _span(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
-    """Elements of storage a tensor of this shape and stride reaches."""
-    return 1 + sum((s - 1) * st for s, st in zip(shape, stride, strict=True)) if all(shape) else 0
-
-
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _on_gpu(graph: Graph) -> bool:
-    return any(
-        isinstance(n.meta, TensorMeta) and n.meta.device.startswith("cuda") for n in graph.nodes
-    )
+    return any(d.startswith("cuda") for d in graph.devices)
 
 
 def _built(k: Kernel, fn: Any) -> Built:
