@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,28 @@ def _as_args(example_inputs: Any) -> tuple[Any, ...]:
     if isinstance(example_inputs, tuple):
         return example_inputs
     return (example_inputs,)
+
+
+class _Function(torch.nn.Module):
+    """A plain function as a module: it has no training mode and nothing to freeze but
+    the tensors it closes over, so it compiles as inference (autograd through its inputs
+    still works, through torch.compile)."""
+
+    def __init__(self, fn: Any) -> None:
+        super().__init__()
+        self.fn = fn
+        self.eval()
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+
+def _as_module(model: Any) -> torch.nn.Module:
+    if isinstance(model, torch.nn.Module):
+        return model
+    if callable(model):
+        return _Function(model)
+    raise TypeError(f"opfuse: expected a torch.nn.Module or a function, got {type(model).__name__}")
 
 
 def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
@@ -203,20 +225,22 @@ class CompiledModule(torch.nn.Module):
 
 
 def compile(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Callable[..., Any],
     example_inputs: Any,
     *,
     example_kwargs: dict[str, Any] | None = None,
     recompile: bool = True,
     options: Options | None = None,
 ) -> torch.nn.Module:
-    """Compile `model` for inputs like `example_inputs` (a tensor or a tuple of args).
+    """Compile `model` (a module or a function) for inputs like `example_inputs` (a tensor
+    or a tuple of args).
 
     In eval mode, parameters and buffers are frozen into the graph and a `CompiledModule`
     is returned (its `.report` is the FusionReport). In training mode the model goes
     through `torch.compile(backend="opfuse")`: forward and backward are both compiled.
     The caller's module and tensors are never modified.
     """
+    model = _as_module(model)
     opts = options or Options()
     if model.training:
         from .dynamo import opfuse_backend
@@ -242,13 +266,15 @@ def _fallback_message(e: Exception) -> str:
 
 
 def explain(
-    model: torch.nn.Module,
+    model: torch.nn.Module | Callable[..., Any],
     example_inputs: Any,
     *,
     example_kwargs: dict[str, Any] | None = None,
     options: Options | None = None,
 ) -> FusionReport:
-    """The FusionReport of compiling `model`: groups, patterns, folds, refusals."""
+    """The FusionReport of compiling `model` (a module or a function): groups, patterns,
+    folds, refusals."""
+    model = _as_module(model)
     opts = options or Options()
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})

@@ -124,6 +124,25 @@ def test_eval_mode_with_inputs_requiring_grad_gives_eager_gradients() -> None:
     torch.testing.assert_close(x1.grad, x2.grad)
 
 
+def test_plain_functions_compile_and_explain() -> None:
+    w = torch.randn(8, 16)
+
+    def f(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(x @ w + y).sum(-1)  # closes over w
+
+    x, y = torch.randn(4, 8), torch.randn(16)
+    fast = opfuse.compile(f, (x, y))
+    assert isinstance(fast, opfuse.CompiledModule)
+    torch.testing.assert_close(fast(x, y), f(x, y))
+    assert fast.report.kernels_after < fast.report.kernels_before
+    assert opfuse.explain(f, (x, y)).groups
+    lam = opfuse.compile(lambda a: torch.relu(a) * 2 + 1, torch.randn(6))
+    a = torch.randn(6)
+    torch.testing.assert_close(lam(a), torch.relu(a) * 2 + 1)
+    with pytest.raises(TypeError, match=r"a torch\.nn\.Module or a function, got int"):
+        opfuse.compile(42, (x,))  # type: ignore[arg-type]
+
+
 def test_python_scalar_inputs_are_specialised() -> None:
     m = Fn(lambda x, n: x * n + n).eval()
     x = torch.randn(4)
