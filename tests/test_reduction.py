@@ -141,6 +141,67 @@ def test_float_sums_fold_float32_runs_into_float64(n: int) -> None:
     assert_no_worse(out, fn(x), exact)
 
 
+def test_sums_that_can_cancel_accumulate_in_float64_one_by_one() -> None:
+    # Terms of one sign run in float32 blocks; terms of either sign go to float64 directly.
+    x = torch.randn(16, 3000)
+    assert "float acc0_run" in source(lambda a: a.relu().sum(-1), x)
+    assert "float acc0_run" in source(lambda a: a.exp().sum(-1), x)
+    src = source(lambda a: a.sum(-1), x)
+    assert "float acc0_run" not in src and "double acc0_value" in src
+    # A row of large terms that cancel to a small sum: eager's float32 cascade errs; ours is
+    # as close as float64 accumulation gets.
+    big = torch.randn(4, 3000, dtype=torch.float64) * 1e4
+    big = torch.cat([big, -big + torch.rand(4, 3000, dtype=torch.float64)], 1).float()
+    exact = big.double().sum(-1)
+    out = opfuse.compile(Fn(lambda a: a.sum(-1)).eval(), (big,))(big)
+    assert_no_worse(out, big.sum(-1), exact)
+    assert (out.double() - exact).abs().max() <= 1e-6 * exact.abs().max()
+
+
+def test_normalisation_gradients_are_no_further_from_float64_than_eager() -> None:
+    # InstanceNorm's backward subtracts a row's mean gradient from every element and the
+    # conv bias gradient sums the row again: a float32 error in the mean is multiplied by the
+    # row's length. Eager's batch-norm kernels sum in double; so must ours.
+    torch.manual_seed(0)
+    conv = nn.Conv2d(8, 8, 3, padding=1)
+
+    def f(c: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return F.instance_norm(F.hardswish(c(x)))
+
+    x = torch.randn(2, 8, 16, 16)
+    grads = []
+    for mode in ("eager", "opfuse", "float64"):
+        c = copy.deepcopy(conv).double() if mode == "float64" else copy.deepcopy(conv)
+        xi = x.double() if mode == "float64" else x
+        run = torch.compile(f, backend="opfuse") if mode == "opfuse" else f
+        torch._dynamo.reset()
+        out = run(c, xi)
+        weight = torch.linspace(0.5, 1.5, out.numel(), dtype=out.dtype).view(out.shape)
+        (out * weight).sum().backward()
+        assert c.bias.grad is not None
+        grads.append(c.bias.grad)
+    assert_no_worse(grads[1], grads[0], grads[2], "bias grad")
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda a: F.layer_norm(a, (a.shape[-1],)),
+        lambda a: a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + 1e-6),
+        lambda a: F.instance_norm(a.view(4, 16, 8, 12)).view(64, 96),
+    ],
+)
+def test_per_row_statistics_continue_in_float64(fn: Any) -> None:
+    # var + eps and its rsqrt run once per row in the float64 the sums were made in (as
+    # eager's CPU kernels do) and round once; per-element arithmetic stays float32.
+    x = X * 3 + 1
+    src = source(fn, x)
+    assert re.search(r"const double t\d+ = \(1 / sqrt\(", src), src
+    assert "sqrtf" not in src
+    out = opfuse.compile(Fn(fn).eval(), (x,))(x)
+    assert_no_worse(out, fn(x), fn(x.double()))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_half_sums_accumulate_in_float(dtype: torch.dtype) -> None:
     x = (torch.rand(8, 8192) + 1).to(dtype)

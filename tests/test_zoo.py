@@ -166,18 +166,7 @@ def test_eval_matches_eager(name: str) -> None:
 # than eager's (0.0138 vs 0.0040; per element no worse). Its log1pf/tanhf come from glibc's
 # vector libm (up to 1.8 / 1.4 ulp, log1pf +0.036 ulp on average) where torch uses SLEEF
 # (0.6 ulp); the conv bias gradient behind it lands 4.9x eager's distance.
-_XFAIL = {"pixel_shuffle_mish": "mish backward: libm rounding accumulates in a long sum"}
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=pytest.mark.xfail(reason=_XFAIL[n], strict=True))
-        if n in _XFAIL
-        else n
-        for n in sorted(ZOO)
-    ],
-)
+@pytest.mark.parametrize("name", sorted(ZOO))
 def test_training_gradients_match_eager(name: str) -> None:
     make, inputs = ZOO[name]
     torch.manual_seed(0)

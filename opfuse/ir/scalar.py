@@ -398,3 +398,49 @@ def walk(roots: list[Expr]) -> list[Expr]:
             if a not in seen:
                 stack.append((a, False))
     return order
+
+
+# Operations whose result has a fixed sign (NaN aside), and those whose result has the sign
+# of their one operand.
+_NONNEGATIVE = frozenset(
+    {"exp", "exp2", "sqrt", "rsqrt", "abs", "sigmoid", "cosh", "erfc", "hypot"}
+)
+_ODD = frozenset(
+    {"cast", "expm1", "tanh", "sinh", "atan", "asinh", "erf", "reciprocal", "trunc", "round"}
+)
+
+
+def sign(root: Expr) -> int:
+    """+1 if `root` is >= 0 wherever it is not NaN, -1 if it is <= 0, 0 if either may be:
+    a sum of terms of one sign cannot cancel."""
+    s: dict[Expr, int] = {}
+    for e in walk([root]):
+        a = [s[x] for x in e.args]
+        if e.op == "const":
+            s[e] = 1 if e.value >= 0 else -1 if e.value < 0 else 0  # NaN: either
+        elif e.op in _NONNEGATIVE:
+            s[e] = 1
+        elif e.op in _ODD:
+            s[e] = a[0]
+        elif e.op == "neg":
+            s[e] = -a[0]
+        elif e.op == "mul" and e.args[0] is e.args[1]:
+            s[e] = 1
+        elif e.op in ("mul", "div"):
+            s[e] = a[0] * a[1]
+        elif e.op == "add":
+            s[e] = a[0] if a[0] == a[1] else 0
+        elif e.op == "sub":
+            s[e] = a[0] if a[0] == -a[1] else 0
+        elif e.op in ("max", "fmax"):
+            s[e] = 1 if 1 in a else -1 if a == [-1, -1] else 0
+        elif e.op in ("min", "fmin"):
+            s[e] = -1 if -1 in a else 1 if a == [1, 1] else 0
+        elif e.op == "where":
+            s[e] = a[1] if a[1] == a[2] else 0
+        elif e.op == "pow":
+            even = e.args[1].is_const and float(e.args[1].value) % 2 == 0
+            s[e] = 1 if even or a[0] == 1 else 0
+        else:
+            s[e] = 0
+    return s[root]

@@ -28,9 +28,9 @@ int fused_add_var_mean_rsqrt_sub_mul_0(void *const *args, int nthreads) {
     }
     const float t9 = ((float)(acc0_mean));
     const double t10 = (acc0_m2 / 96.0);
-    const float t11 = ((float)(t10));
-    const float t12 = (t11 + 1e-05f);
-    const float t13 = (1 / sqrtf(t12));
+    const double t11 = (t10 + 1e-05);
+    const double t12 = (1 / sqrt(t11));
+    const float t13 = ((float)(t12));
     #pragma omp simd
     for (int64_t r0 = 0; r0 < 96; r0++) {
       const float t14 = in0[r0 + 96*x0];
