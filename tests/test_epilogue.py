@@ -444,3 +444,38 @@ def test_float32_onednn_gemm_only_where_the_user_allows_less_precision(precision
         torch.set_float32_matmul_precision(before)
     timed = " ".join(g.implementation for g in report.groups if g.pattern == "library")
     assert timed.count("onednn ") == (2 if precision == "high" else 0), timed
+
+
+class _StandardisedConv(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c = nn.Conv2d(8, 16, 3, padding=1)
+        mask = torch.ones_like(self.c.weight)
+        mask[:, :, 2:] = 0  # a causal (PixelCNN-style) mask
+        self.register_buffer("mask", mask)
+        self.g = nn.Parameter(torch.rand(16, 1, 1, 1) + 0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.c.weight * self.mask
+        m, s = w.mean((1, 2, 3), keepdim=True), w.std((1, 2, 3), keepdim=True)
+        v = torch.var_mean(w, (1, 2, 3), keepdim=True)[1]  # a tuple-valued reduction too
+        w = self.g * (w - m) / (s + 1e-5) + 0 * v
+        return F.silu(F.conv2d(x, w, self.c.bias, padding=1))
+
+
+def test_weight_arithmetic_on_frozen_parameters_runs_once_at_compile_time() -> None:
+    # Weight standardisation, masks, weight norm: in eval mode everything computed from
+    # parameters alone (reductions included) is a constant, and the conv that reads it is
+    # the only kernel left, with its epilogue and a prepacked weight.
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 12, 12)
+    for m in (
+        _StandardisedConv().eval(),
+        nn.utils.parametrizations.weight_norm(nn.Linear(8, 8)).eval(),
+    ):
+        args = (x,) if isinstance(m, _StandardisedConv) else (torch.randn(4, 8),)
+        fast = opfuse.compile(m, args)
+        assert_matches_eager(m, fast(*args), args)
+        groups = fast.report.groups
+        assert len(groups) == 1, str(fast.report)
+        assert groups[0].pattern in ("conv_epilogue", "gemm_epilogue", "library"), str(fast.report)

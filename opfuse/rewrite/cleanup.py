@@ -1,5 +1,6 @@
-"""Constant folding: pointwise ops and views whose inputs are all frozen constants are
-evaluated once at compile time (e.g. the per-channel scale of an inference BatchNorm).
+"""Constant folding: pointwise ops, views, reductions and matmuls/convolutions whose inputs
+are all frozen constants are evaluated once at compile time (the per-channel scale of an
+inference BatchNorm, a standardised or weight-normed weight, a masked conv weight).
 Splits become slices: each piece of split/chunk/unbind is a view kernels read through.
 Copies a library call or the caller reads whole become kernels (`copies_in_kernels`)."""
 
@@ -18,30 +19,48 @@ MAX_GENERATED_NUMEL = 1 << 12  # tensors made from nothing (full, scalar_tensor)
 def fold_constants(graph: Graph) -> Graph:
     b = GraphBuilder().copy_from(graph)
     values: dict[Node, torch.Tensor] = {}
+    tuples: dict[Node, tuple[torch.Tensor, ...]] = {}  # folded var_mean, max.dim, ...
     for n in graph.nodes:
         if n.op == CONSTANT:
             new = b.copy(n)
             values[new] = graph.constants[n.name]
             continue
-        row = info(n.op)
-        foldable = (
-            n.op != GETITEM
-            and (row.pointwise or row.index is not None or row.gather is not None)
-            and isinstance(n.meta, TensorMeta)
-            and n.meta.numel <= (MAX_FOLD_NUMEL if n.inputs() else MAX_GENERATED_NUMEL)
-            and all(b.get(i) in values for i in n.inputs())
-        )
-        if not foldable:
+        if n.op == GETITEM and n.args[0] in tuples:
+            t = tuples[n.args[0]][n.args[1]]
+        elif _foldable(n, b, values):
+            args: tuple[object, ...] = tuple(_sub(a, b, values) for a in n.args)
+            kwargs = {k: _sub(v, b, values) for k, v in n.kwargs}
+            with torch.no_grad():
+                out = n.target(*args, **kwargs)
+            if isinstance(n.meta, tuple):
+                tuples[n] = tuple(out)
+                b.copy(n)  # dead once every getitem of it is a constant
+                continue
+            t = out
+        else:
             b.copy(n)
             continue
-        args: tuple[object, ...] = tuple(_sub(a, b, values) for a in n.args)
-        kwargs = {k: _sub(v, b, values) for k, v in n.kwargs}
-        with torch.no_grad():
-            t = n.target(*args, **kwargs)
         new = b.constant(t, n.name, n.source)
         values[new] = t
         b.replace(n, new)
     return b.build(graph.outputs)
+
+
+def _foldable(n: Node, b: GraphBuilder, values: dict[Node, torch.Tensor]) -> bool:
+    if n.op == GETITEM or not all(b.get(i) in values for i in n.inputs()):
+        return False
+    row = info(n.op)
+    metas = n.meta if isinstance(n.meta, tuple) else (n.meta,)
+    if not all(isinstance(m, TensorMeta) for m in metas):
+        return False
+    limit = MAX_FOLD_NUMEL if n.inputs() else MAX_GENERATED_NUMEL
+    if sum(m.numel for m in metas if isinstance(m, TensorMeta)) > limit:
+        return False
+    if row.pointwise or row.index is not None or row.gather is not None:
+        return isinstance(n.meta, TensorMeta)
+    # Reductions and library calls are deterministic: their value on constants is a
+    # constant. Opaque torch ops are not folded (random draws, ops with side effects).
+    return row.kind in (Kind.REDUCTION, Kind.ANCHOR) and bool(n.inputs())
 
 
 def split_to_views(graph: Graph) -> Graph:
