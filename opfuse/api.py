@@ -120,6 +120,7 @@ class CompiledModule(torch.nn.Module):
         kwargs: dict[str, Any],
         options: Options,
         recompile: bool,
+        cache_limit: int = 8,
     ) -> None:
         super().__init__()
         # Not a registered submodule: .to()/.train() on this wrapper must not touch the
@@ -127,6 +128,7 @@ class CompiledModule(torch.nn.Module):
         self.__dict__["_model"] = model
         self._options = options
         self._recompile = recompile
+        self._cache_limit = cache_limit
         self._entries: dict[tuple[Any, ...], _Entry] = {}
         self._kw_order = list(kwargs)
         self._lock = threading.Lock()
@@ -146,6 +148,7 @@ class CompiledModule(torch.nn.Module):
         torch.nn.Module.__init__(new)
         new.__dict__["_model"] = copy.deepcopy(self.__dict__["_model"], memo)
         new._options, new._recompile = self._options, self._recompile
+        new._cache_limit = self._cache_limit
         new._kw_order = list(self._kw_order)
         new._lock, new._dynamo = threading.Lock(), None
         new._entries = {}
@@ -196,6 +199,18 @@ class CompiledModule(torch.nn.Module):
                         raise RecompileError(
                             f"opfuse: {_describe_mismatch(sig, known)}; recompiling is switched off"
                         )
+                    if len(self._entries) >= self._cache_limit:
+                        # Kernels are compiled for static shapes: a model called with ever
+                        # new shapes (variable sequence lengths) would compile and keep
+                        # kernels and prepacked weights for each.
+                        warn_once(
+                            f"opfuse: {len(self._entries)} input signatures compiled "
+                            f"(cache_limit={self._cache_limit}); new ones run through "
+                            "torch.compile(backend='opfuse'), which makes shapes dynamic "
+                            "and runs those graphs with torch. Pad or bucket the inputs, or "
+                            "raise cache_limit"
+                        )
+                        return self._through_dynamo(*args, **kwargs)
                     entry = self._compile(args, kwargs)
         if entry.compiled is None:
             return self._through_dynamo(*args, **kwargs)
@@ -230,6 +245,7 @@ def compile(
     *,
     example_kwargs: dict[str, Any] | None = None,
     recompile: bool = True,
+    cache_limit: int = 8,
     options: Options | None = None,
 ) -> torch.nn.Module:
     """Compile `model` (a module or a function) for inputs like `example_inputs` (a tensor
@@ -238,9 +254,12 @@ def compile(
     In eval mode, parameters and buffers are frozen into the graph and a `CompiledModule`
     is returned (its `.report` is the FusionReport). In training mode the model goes
     through `torch.compile(backend="opfuse")`: forward and backward are both compiled.
-    The caller's module and tensors are never modified.
+    The caller's module and tensors are never modified. New input shapes, strides or dtypes
+    compile again, up to `cache_limit` signatures; later new ones run through torch.compile.
     """
     model = _as_module(model)
+    if cache_limit < 1:
+        raise ValueError(f"opfuse: cache_limit must be at least 1, got {cache_limit}")
     opts = options or Options()
     if model.training:
         from .dynamo import opfuse_backend
@@ -249,7 +268,7 @@ def compile(
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     try:
-        return CompiledModule(model, args, kwargs, opts, recompile)
+        return CompiledModule(model, args, kwargs, opts, recompile, cache_limit)
     except CaptureError as e:
         warn_once(f"opfuse: {e}; compiling through torch.compile instead")
     from .dynamo import opfuse_backend

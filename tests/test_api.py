@@ -143,6 +143,21 @@ def test_plain_functions_compile_and_explain() -> None:
         opfuse.compile(42, (x,))  # type: ignore[arg-type]
 
 
+def test_new_signatures_beyond_the_cache_limit_run_through_torch_compile() -> None:
+    m = _mlp()
+    fast = opfuse.compile(m, torch.randn(2, 8), cache_limit=2)
+    assert isinstance(fast, opfuse.CompiledModule)
+    fast(torch.randn(3, 8))
+    with pytest.warns(RuntimeWarning, match="cache_limit=2"):
+        x = torch.randn(5, 8)
+        torch.testing.assert_close(fast(x), m(x))
+    assert len(fast._entries) == 2
+    x = torch.randn(2, 8)  # a compiled signature still runs its kernels
+    torch.testing.assert_close(fast(x), m(x))
+    with pytest.raises(ValueError, match="cache_limit"):
+        opfuse.compile(m, x, cache_limit=0)
+
+
 def test_python_scalar_inputs_are_specialised() -> None:
     m = Fn(lambda x, n: x * n + n).eval()
     x = torch.randn(4)
