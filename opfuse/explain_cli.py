@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .report import FusionReport, short_name
+from .report import FusionReport, notes, short_name
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "float64": torch.float64,
@@ -124,12 +124,12 @@ def print_report(report: FusionReport) -> None:
             g.reason or g.implementation,
         )
     console.print(t)
-    for f in report.folds:
-        console.print(f"[green]fold[/]: {f.batchnorm} -> {f.conv}")
-    for r in report.rejected:
-        console.print(f"[yellow]not fused[/]: {r.producer} -> {r.consumer}: {r.reason}")
-    if report.layout:
-        console.print(f"[cyan]layout[/]: {report.layout}")
+    colour = {"fold": "green", "not fused": "yellow"}
+    for label, text in notes(report):
+        if label:
+            console.print(f"[{colour.get(label, 'cyan')}]{label}[/]: {text}", highlight=False)
+        else:
+            console.print(text, highlight=False)
 
 
 def run(args: argparse.Namespace) -> int:

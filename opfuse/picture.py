@@ -12,7 +12,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
-from .report import FusionReport, GroupReport, short_name
+from .report import FusionReport, GroupReport, notes, short_name
 
 COLORS = {
     "elementwise": "#a6cee3",
@@ -189,7 +189,11 @@ def html(r: FusionReport) -> str:
         f"</code>: {_html.escape(x.reason)}</li>"
         for x in r.rejected
     )
-    layout = f"<br>Layout: {_html.escape(r.layout)}." if r.layout else ""
+    layout = "".join(
+        f"<br>{label.capitalize()}: {_html.escape(text)}."
+        for label, text in notes(r)
+        if label in ("layout", "constants", "attention", "backend")
+    )
     folds = "".join(
         f"<li>{_html.escape(f.batchnorm)} folded into {_html.escape(f.conv)}</li>" for f in r.folds
     )

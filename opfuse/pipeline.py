@@ -143,6 +143,7 @@ def compile_graph(
     report.layout = rw.layout
     report.attention = rw.attention
     report.random = rw.random
+    report.constants = rw.constants
     report.backend = f"{chosen} ({why})"
     report.compile_seconds = time.perf_counter() - t0
     report.cached = module.cached
@@ -172,6 +173,7 @@ class Rewritten:
     layout: str  # the activation layout chosen for convolutions, and why
     attention: list[str]  # attentions fused into one call, or kept explicit and why
     random: list[str]  # uniform draws moved into kernels
+    constants: list[str]  # ops on frozen constants alone, evaluated at compile time
 
 
 def backend(graph: Graph, opts: Options) -> tuple[str, str]:
@@ -190,9 +192,10 @@ def rewrite(graph: Graph, opts: Options, devices: tuple[str, ...] = ("cpu",)) ->
     refusals: list[Refusal] = []
     if opts.fold_batchnorm:
         graph, folds, refusals = fold_batchnorm(graph)
-    graph = fold_constants(split_to_views(graph))
+    constants: list[str] = []
+    graph = fold_constants(split_to_views(graph), constants)
     graph = lower_batchnorm(graph)
-    graph = fold_constants(graph)
+    graph = fold_constants(graph, constants)
     attention: list[str] = []
     if opts.fuse_attention:
         graph, attention = fuse_attention(graph)
@@ -204,7 +207,7 @@ def rewrite(graph: Graph, opts: Options, devices: tuple[str, ...] = ("cpu",)) ->
     if opts.random == "kernel":
         graph, random = random_in_kernels(graph, devices)
     graph = copies_in_kernels(graph)
-    return Rewritten(graph, folds, refusals, layout, attention, random)
+    return Rewritten(graph, folds, refusals, layout, attention, random, constants)
 
 
 def tune(

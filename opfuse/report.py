@@ -69,6 +69,8 @@ class FusionReport:
     attention: list[str] = field(default_factory=list)  # attentions run as one fused call
     random: list[str] = field(default_factory=list)  # uniform draws generated in kernels
     backend: str = ""  # which backend generated the kernels, and why
+    # ops whose inputs were all frozen constants: evaluated once at compile time
+    constants: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -106,6 +108,7 @@ class FusionReport:
             self.attention + other.attention,
             self.random + other.random,
             self.backend or other.backend,
+            self.constants + other.constants,
         )
 
     def patterns(self) -> dict[str, int]:
@@ -148,19 +151,33 @@ def format_table(r: FusionReport, width: int = 100) -> str:
             lines.append(f"{'':>5}{'':<14} reads through: {through}")
         if g.reason:
             lines.append(f"{'':>5}{'':<14} why: {g.reason}")
-    for f in r.folds:
-        lines.append(f"fold: {f.batchnorm} -> {f.conv}")
-    for rej in r.rejected:
-        lines.append(f"not fused: {rej.producer} -> {rej.consumer}: {rej.reason}")
-    for a in r.attention:
-        lines.append(f"attention: {a}")
-    for a in r.random:
-        lines.append(a)
-    if r.layout:
-        lines.append(f"layout: {r.layout}")
-    if r.backend and not r.backend.startswith("c "):
-        lines.append(f"backend: {r.backend}")  # (the C backend is the default: not repeated)
+    lines.extend(f"{label}: {text}" if label else text for label, text in notes(r))
     return "\n".join(lines)
+
+
+def notes(r: FusionReport) -> list[tuple[str, str]]:
+    """(label, text) lines under the table: folds, refusals, attention, random draws,
+    compile-time constants, layout, backend. Shared by the plain and the CLI's table."""
+    out = [("fold", f"{f.batchnorm} -> {f.conv}") for f in r.folds]
+    out += [("not fused", f"{x.producer} -> {x.consumer}: {x.reason}") for x in r.rejected]
+    out += [("attention", a) for a in r.attention]
+    out += [("", a) for a in r.random]
+    if r.constants:
+        counts: dict[str, int] = {}
+        for op in r.constants:
+            counts[short_name(op)] = counts.get(short_name(op), 0) + 1
+        ops = ", ".join(f"{k} x{c}" if c > 1 else k for k, c in counts.items())
+        out.append(
+            (
+                "constants",
+                f"{len(r.constants)} ops on frozen parameters computed at compile time ({ops})",
+            )
+        )
+    if r.layout:
+        out.append(("layout", r.layout))
+    if r.backend and not r.backend.startswith("c "):
+        out.append(("backend", r.backend))  # (the C backend is the default: not repeated)
+    return out
 
 
 def short_name(op: str) -> str:

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 import opfuse
 from opfuse.bench.models import Bottleneck, GPT2Block, realistic
+from opfuse.report import short_name
 from tests.conftest import Fn
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -286,3 +287,20 @@ def test_builtin_layout_without_graphviz(monkeypatch) -> None:  # type: ignore[n
     monkeypatch.setattr(picture, "shutil", types.SimpleNamespace(which=lambda _: None))
     svg = r.to_svg()
     assert svg.startswith("<svg") and "gemm_epilogue" in svg and "4x8" in svg
+
+
+def test_report_says_what_ran_at_compile_time_on_frozen_parameters() -> None:
+    class Standardised(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.c = torch.nn.Conv2d(4, 8, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            w = self.c.weight
+            w = (w - w.mean((1, 2, 3), keepdim=True)) / w.std((1, 2, 3), keepdim=True)
+            return torch.nn.functional.conv2d(x, w, self.c.bias).relu()
+
+    r = opfuse.explain(Standardised().eval(), torch.randn(1, 4, 8, 8))
+    assert [short_name(op) for op in r.constants] == ["mean", "sub", "var", "sqrt", "div"]
+    assert "computed at compile time" in str(r) and "computed at compile time" in r.to_html()
+    assert [g.pattern for g in r.groups] == ["conv_epilogue"], str(r)

@@ -606,11 +606,12 @@ def _broadcast(idx: tuple[Ix, ...], out: Sequence[int], arg: Sequence[int]) -> t
     return tuple(Ix() if arg[k] == 1 else idx[k + lead] for k in range(len(arg)))
 
 
-# Arithmetic on a reduction's per-row results (LayerNorm's rsqrt(var + eps), RMSNorm's,
-# softmax's 1 / sum) continues in the float64 the float32 sum was accumulated in and rounds
-# once, as eager's CPU kernels compute their statistics in double: rounding var to float32
-# before adding eps and taking rsqrt put LayerNorm 1.5-2x further from float64 than eager.
-# Only values computed once per row widen (per-element arithmetic stays float32).
+# Arithmetic on a reduction's per-row results (rsqrt(var + eps) of LayerNorm, RMSNorm,
+# InstanceNorm; a normalisation backward's sum * invstd**2 / n) continues in the float64
+# the float32 sum was accumulated in and rounds once, as eager's CPU batch-norm kernels
+# compute their statistics in double; rounding var to float32 before adding eps and taking
+# rsqrt cost up to 1.5 ulps more on every element of the row. Only values computed once
+# per row widen: per-element arithmetic stays float32.
 _WIDENS = frozenset(
     {
         "aten.add.Tensor",

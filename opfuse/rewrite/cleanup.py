@@ -16,7 +16,9 @@ MAX_FOLD_NUMEL = 1 << 22
 MAX_GENERATED_NUMEL = 1 << 12  # tensors made from nothing (full, scalar_tensor) fold if small
 
 
-def fold_constants(graph: Graph) -> Graph:
+def fold_constants(graph: Graph, folded: list[str] | None = None) -> Graph:
+    """`graph` with every op on frozen constants alone evaluated; the ops that computed
+    something (views aside) are appended to `folded`."""
     b = GraphBuilder().copy_from(graph)
     values: dict[Node, torch.Tensor] = {}
     tuples: dict[Node, tuple[torch.Tensor, ...]] = {}  # folded var_mean, max.dim, ...
@@ -32,6 +34,8 @@ def fold_constants(graph: Graph) -> Graph:
             kwargs = {k: _sub(v, b, values) for k, v in n.kwargs}
             with torch.no_grad():
                 out = n.target(*args, **kwargs)
+            if folded is not None and info(n.op).kind != Kind.INJECTIVE and n.inputs():
+                folded.append(n.op)
             if isinstance(n.meta, tuple):
                 tuples[n] = tuple(out)
                 b.copy(n)  # dead once every getitem of it is a constant
