@@ -1,10 +1,14 @@
 """The Triton backend, run by Triton's interpreter on CPU tensors (TRITON_INTERPRET=1):
-the same lowered kernels as the C backend, rendered as @triton.jit functions."""
+the same lowered kernels as the C backend, rendered as @triton.jit functions.
+
+On a GPU machine, `OPFUSE_TEST_DEVICE=cuda python -m pytest tests/test_triton.py` runs the
+same tests compiled for the GPU: every tensor the tests make is created there."""
 
 from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -19,7 +23,17 @@ from opfuse.pipeline import Options
 from opfuse.runtime import KernelStep
 
 pytest.importorskip("triton")
-os.environ["TRITON_INTERPRET"] = "1"  # read when a generated module is imported
+DEVICE = os.environ.get("OPFUSE_TEST_DEVICE", "cpu")
+if DEVICE == "cpu":
+    os.environ["TRITON_INTERPRET"] = "1"  # read when a generated module is imported
+cpu_only = pytest.mark.skipif(DEVICE != "cpu", reason="compares with the C backend on the CPU")
+
+
+@pytest.fixture(autouse=True)
+def _on_device() -> Iterator[None]:
+    with torch.device(DEVICE):  # tensors and modules the test makes
+        yield
+
 
 TRITON = Options(backend="triton")
 
@@ -171,6 +185,7 @@ def test_training_through_torch_compile(monkeypatch: pytest.MonkeyPatch) -> None
     torch._dynamo.reset()
 
 
+@cpu_only
 def test_cpu_tensors_without_the_interpreter_run_with_torch(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -277,6 +292,7 @@ def test_a_kernel_failing_its_trial_launch_runs_with_torch(
     assert "failed its trial launch" in caplog.text
 
 
+@cpu_only
 def test_auto_backend_is_c_for_cpu_graphs_and_says_why() -> None:
     x = torch.randn(8, 8)
     f = opfuse.compile(_Fn(lambda t: t.relu() * 2).eval(), (x,))
@@ -285,6 +301,7 @@ def test_auto_backend_is_c_for_cpu_graphs_and_says_why() -> None:
     assert "backend:" not in str(f.report)  # the default is not repeated in the table
 
 
+@cpu_only
 def test_dropout_masks_drawn_in_the_kernel_match_the_c_backend() -> None:
     class Drop(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -368,3 +385,12 @@ def test_channels_last_statistics_and_group_norm() -> None:
         return var, mean, F.silu(gn(x)), x.amax((2, 3))
 
     _check(fn, x, tol=1e-4)
+
+
+@pytest.mark.skipif(DEVICE == "cpu", reason="needs GPU tensors")
+def test_auto_backend_is_triton_for_gpu_graphs() -> None:
+    x = torch.randn(64, 64)
+    f = opfuse.compile(_Fn(lambda t: (t.relu() * 2).softmax(-1)).eval(), (x,))
+    assert f.report.backend.startswith("triton (tensors on cuda")
+    _check_steps(f)
+    torch.testing.assert_close(f(x), (x.relu() * 2).softmax(-1))
