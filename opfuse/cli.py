@@ -46,6 +46,7 @@ def bench(args: argparse.Namespace) -> int:
         training=not args.no_training,
         memory=not args.no_memory,
         matmul_precision=args.matmul_precision,
+        device=args.device,
     )
 
 
@@ -81,6 +82,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="highest",
         help="torch.set_float32_matmul_precision for every candidate (below highest, "
         "opfuse may choose oneDNN's faster, less exact float32 GEMM)",
+    )
+    b.add_argument(
+        "--device",
+        default="cpu",
+        help="where the models and inputs live: cpu, or cuda[:N] (opfuse then generates "
+        "Triton; training and memory rows are CPU-only and skipped)",
     )
     b.set_defaults(fn=bench)
     from opfuse.explain_cli import add_arguments

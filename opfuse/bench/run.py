@@ -64,7 +64,9 @@ class Result:
         return self.timings["opfuse"].median / self.bare["torch"].median - 1.0
 
 
-def machine() -> str:
+def machine(device: str = "cpu") -> str:
+    if device != "cpu":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -127,11 +129,18 @@ def _inductor(
     return fn, time.perf_counter() - t0
 
 
-def run_inference(case: Case, reps: int, inductor: bool = True) -> Result:
+def _to(device: str, model: Any, inputs: tuple[Any, ...]) -> tuple[Any, tuple[Any, ...]]:
+    if device == "cpu":
+        return model, inputs
+    moved = tuple(t.to(device) if isinstance(t, torch.Tensor) else t for t in inputs)
+    return model.to(device), moved
+
+
+def run_inference(case: Case, reps: int, inductor: bool = True, device: str = "cpu") -> Result:
     import opfuse
 
     res = Result(case.name, case.group)
-    model, inputs = case.build()
+    model, inputs = _to(device, *case.build())
     with torch.no_grad():
         expected = model(*inputs)
     t0 = time.perf_counter()
@@ -163,14 +172,14 @@ def run_inference(case: Case, reps: int, inductor: bool = True) -> Result:
         res.bytes = case.min_bytes(inputs, expected)
         # The source must hold written pages: an untouched allocation reads the kernel's
         # shared zero page, which stays in cache and made the reference copy ~1.8x too fast.
-        src = torch.ones(res.bytes // 2, dtype=torch.uint8)
+        src = torch.ones(res.bytes // 2, dtype=torch.uint8, device=device)
         dst = torch.ones_like(src)
         candidates["copy"] = lambda: dst.copy_(src)
     del expected
     if case.bare is not None:
         # The bare GEMM/conv is timed in the same interleaved rounds as the fused one: the
         # epilogue's cost is a few percent, far below this machine's drift between runs.
-        bm, bi = case.bare()
+        bm, bi = _to(device, *case.bare())
         bfast = opfuse.compile(bm, bi)
         candidates["bare torch"] = lambda: bm(*bi)
         candidates["bare opfuse"] = lambda: bfast(*bi)
@@ -180,7 +189,7 @@ def run_inference(case: Case, reps: int, inductor: bool = True) -> Result:
     # weights back in cache); one warm-up call then pays the first call's one-time costs.
     whole = case.group == "model"
     res.timings = time_interleaved(
-        candidates, reps=reps, warmup=1 if whole else 3, settle=1 if whole else 0
+        candidates, reps=reps, warmup=1 if whole else 3, settle=1 if whole else 0, device=device
     )
     res.copy = res.timings.pop("copy", None)
     for k in ("torch", "opfuse"):
@@ -456,6 +465,7 @@ def main(
     training: bool = True,
     memory: bool = True,
     matmul_precision: str = "highest",
+    device: str = "cpu",
 ) -> int:
     # Every candidate runs under the same float32 matmul precision; below "highest" opfuse
     # may pick oneDNN's faster, less exact float32 GEMM (see lower/groups.py). The memory
@@ -469,9 +479,16 @@ def main(
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(scratch, "inductor")
     cases = [c for c in all_cases() if c.quick or not quick]
     jobs: list[tuple[str, str, Callable[[], Result]]] = [
-        (c.name, c.group, functools.partial(run_inference, c, 5 if quick else min(reps, c.reps)))
+        (
+            c.name,
+            c.group,
+            functools.partial(run_inference, c, 5 if quick else min(reps, c.reps), device=device),
+        )
         for c in cases
     ]
+    if device != "cpu":
+        # The training and memory rows measure this process's CPU work and RSS.
+        training = memory = False
     if training and not quick:
         from .training import CASES
 
@@ -494,12 +511,12 @@ def main(
         results.append(_guarded(name, group, job))
         results[-1].wall_seconds = time.perf_counter() - t0
         if d is not None:  # partial results survive an interrupted run
-            _write(d, results, elapsed=time.perf_counter() - t_start, final=False)
+            _write(d, results, time.perf_counter() - t_start, final=False, device=device)
     elapsed = time.perf_counter() - t_start
-    text = markdown(results, _title(elapsed))
+    text = markdown(results, _title(elapsed, device))
     print_table(text)
     if d is not None:
-        _write(d, results, elapsed, final=True)
+        _write(d, results, elapsed, final=True, device=device)
     return 1 if any(r.error for r in results) else 0
 
 
@@ -515,21 +532,27 @@ def _guarded(name: str, group: str, job: Callable[[], Result]) -> Result:
         gc.collect()
 
 
-def _title(elapsed: float) -> str:
+def _title(elapsed: float, device: str = "cpu") -> str:
     precision = torch.get_float32_matmul_precision()
     extra = f"; float32 matmul precision {precision!r}" if precision != "highest" else ""
-    return f"opfuse bench ({machine()}; {elapsed / 60:.1f} min{extra})"
+    return f"opfuse bench ({machine(device)}; {elapsed / 60:.1f} min{extra})"
 
 
-def _write(d: Path, results: list[Result], elapsed: float, final: bool) -> None:
+def _write(
+    d: Path, results: list[Result], elapsed: float, final: bool, device: str = "cpu"
+) -> None:
     d.mkdir(parents=True, exist_ok=True)
-    text = markdown(results, _title(elapsed))
+    text = markdown(results, _title(elapsed, device))
     made = plots(results, d) if final else []
     extra = "".join(f"\n![{m}]({m})" for m in made)
     (d / "results.md").write_text(text + extra + "\n")
     (d / "results.json").write_text(
         json.dumps(
-            {"machine": machine(), "complete": final, "results": [asdict(r) for r in results]},
+            {
+                "machine": machine(device),
+                "complete": final,
+                "results": [asdict(r) for r in results],
+            },
             indent=1,
         )
     )

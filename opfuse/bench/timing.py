@@ -34,9 +34,13 @@ def time_interleaved(
     warmup: int = 3,
     min_seconds: float = 0.0,
     settle: int = 0,
+    device: str = "cpu",
 ) -> dict[str, Timing]:
     """Time each zero-argument callable `reps` times, candidates interleaved; `settle`
-    untimed calls of a candidate go before each of its timed ones."""
+    untimed calls of a candidate go before each of its timed ones. On a GPU each call is
+    timed to the end of the work it queued."""
+    if device != "cpu":
+        candidates = {k: _synchronised(fn, device) for k, fn in candidates.items()}
     with torch.no_grad():
         for fn in candidates.values():
             for _ in range(warmup):
@@ -53,3 +57,12 @@ def time_interleaved(
                 samples[k].append(time.perf_counter() - t0)
             r += 1
     return {k: Timing(statistics.median(v), min(v), max(v), len(v)) for k, v in samples.items()}
+
+
+def _synchronised(fn: Callable[[], object], device: str) -> Callable[[], object]:
+    def call() -> object:
+        out = fn()
+        torch.cuda.synchronize(device)
+        return out
+
+    return call
