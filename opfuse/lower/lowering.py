@@ -30,9 +30,10 @@ import torch
 from ..ir.graph import CONSTANT, GETITEM, Graph, Node, TensorMeta, bind
 from ..ir.index import Ix, Var, address, delinearize, linearize
 from ..ir.ops import Kind, info, is_generator, reads_through, short
-from ..ir.scalar import Expr, cast, const, opmath, sign, walk
+from ..ir.scalar import Expr, cast, const, opmath, walk
 from .constants import formula as constant_formula
 from .kernel import Accumulate, Buffer, Kernel, Pass, Store
+from .precision import SUM_BLOCK, RowPrecision, sum_in_runs
 
 
 class NotFusable(Exception):
@@ -60,16 +61,6 @@ def reduce_dims(n: Node) -> tuple[tuple[int, ...], bool]:
         dims = tuple(dim)
     norm = tuple(sorted({d + rank if d < 0 else d for d in dims})) if rank else ()
     return norm, bool(a.get("keepdim", False))
-
-
-# Float sums of terms of one sign fold runs of this many float32 values before adding into
-# float64 (Accumulate.block): float32's vector width (RMSNorm 78% -> 84-88% of copy
-# bandwidth, sum(relu(x)) 95-101% -> 112-128%) at little cost in accuracy, since such a sum
-# cannot cancel. Terms of either sign go to float64 one by one: the per-lane float32 runs
-# erred by a few ulps of the partial sums, and normalisation backwards (x - mean(x), then
-# summed again) multiply a row's error by its length (InstanceNorm's bias gradient 4.8x
-# further from float64 than eager's, whose batch-norm kernels sum in double).
-SUM_BLOCK = 512
 
 
 def acc_dtype(combine: str, dtype: torch.dtype) -> torch.dtype:
@@ -107,9 +98,7 @@ class _Lowering:
         self.acc_results: dict[Node, tuple[Expr, ...]] = {}
         self.checks: list[Expr] = []
         self.recomputed: set[Node] = set()
-        # float32 reduction results (and per-row arithmetic on them) -> the float64 each
-        # was rounded from
-        self.roundings: dict[Expr, Expr] = {}
+        self.rows = RowPrecision()  # per-row arithmetic in the sums' float64
         self.out_buffers: list[Buffer] = []
         # the domain, set by run(): full shape, reduced dims, loop variables and index
         self.full_shape: tuple[int, ...] = ()
@@ -210,7 +199,7 @@ class _Lowering:
                     self.recomputed.add(v)
             else:
                 args[name] = v
-        widened = n.op in _WIDENS and out.dtype == torch.float32 and self._widen(args)
+        widened = self.rows.widen(n, args, {self.full_vars[d] for d in self.dims})
         if widened:
             compute = torch.float64
         for name, e in args.items():
@@ -229,32 +218,8 @@ class _Lowering:
         if self._check_division(res):
             pass
         if widened:
-            return self._rounded(res)
+            return self.rows.rounded(res)
         return cast(res, opmath(out.dtype))
-
-    def _rounded(self, wide: Expr) -> Expr:
-        """A per-row float64 value as the float32 its graph value is; later per-row
-        arithmetic may take the float64 back (`_widen`)."""
-        narrow = cast(wide, torch.float32)
-        self.roundings[narrow] = wide
-        return narrow
-
-    def _widen(self, args: dict[str, Any]) -> bool:
-        """Whether every tensor operand is a per-row value (reduction results, constants,
-        loads that do not move along the reduced dims) and one of them is a float32
-        rounding of a float64 row value; if so, those operands become the float64 ones."""
-        exprs = {k: e for k, e in args.items() if isinstance(e, Expr)}
-        wide = {k: self.roundings[e] for k, e in exprs.items() if e in self.roundings}
-        if not wide or any(e.dtype != torch.float32 for e in exprs.values()):
-            return False
-        inner = {self.full_vars[d] for d in self.dims}
-        for leaf in walk(list(exprs.values())):
-            if leaf.args or leaf.op in ("acc", "const"):
-                continue
-            if leaf.op != "load" or leaf.value[1].variables() & inner:
-                return False  # varies along the reduced dims: per-element arithmetic
-        args.update(wide)
-        return True
 
     def _check_division(self, e: Expr) -> bool:
         from ..ir.scalar import RAISES_ON_ZERO
@@ -307,7 +272,7 @@ class _Lowering:
         out_t = [opmath(m.dtype) for m in metas]
         block = 0
         narrow = opmath(in_dtype) == torch.float32 == out_t[0]
-        if red.combine == "sum" and adt == torch.float64 and narrow and sign(x) != 0:
+        if red.combine == "sum" and adt == torch.float64 and narrow and sum_in_runs(x):
             value, block = cast(x, torch.float32), SUM_BLOCK
         position: Ix | None = None
         if red.combine in ("argmax", "argmin"):
@@ -338,11 +303,7 @@ class _Lowering:
                 results = (var,)
             else:
                 results = (var, cast(acc("mean", adt), out_t[1]))
-        self.roundings.update(
-            (e, e.args[0])
-            for e in results
-            if e.op == "cast" and e.dtype == torch.float32 and e.args[0].dtype == torch.float64
-        )
+        self.rows.results(results)
         self.acc_results[r] = results
         return results
 
@@ -604,32 +565,6 @@ def _broadcast_guard(idx: tuple[Ix, ...], domain: Sequence[int], shape: Sequence
 def _broadcast(idx: tuple[Ix, ...], out: Sequence[int], arg: Sequence[int]) -> tuple[Ix, ...]:
     lead = len(out) - len(arg)
     return tuple(Ix() if arg[k] == 1 else idx[k + lead] for k in range(len(arg)))
-
-
-# Arithmetic on a reduction's per-row results (rsqrt(var + eps) of LayerNorm, RMSNorm,
-# InstanceNorm; a normalisation backward's sum * invstd**2 / n) continues in the float64
-# the float32 sum was accumulated in and rounds once, as eager's CPU batch-norm kernels
-# compute their statistics in double; rounding var to float32 before adding eps and taking
-# rsqrt cost up to 1.5 ulps more on every element of the row. Only values computed once
-# per row widen: per-element arithmetic stays float32.
-_WIDENS = frozenset(
-    {
-        "aten.add.Tensor",
-        "aten.add.Scalar",
-        "aten.sub.Tensor",
-        "aten.sub.Scalar",
-        "aten.mul.Tensor",
-        "aten.mul.Scalar",
-        "aten.div.Tensor",
-        "aten.div.Scalar",
-        "aten.rsqrt.default",
-        "aten.sqrt.default",
-        "aten.reciprocal.default",
-        "aten.neg.default",
-        "aten.pow.Tensor_Scalar",
-        "aten.clamp_min.default",
-    }
-)
 
 
 def _compute_dtype(n: Node) -> torch.dtype:
