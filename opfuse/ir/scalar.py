@@ -411,8 +411,9 @@ _ODD = frozenset(
 
 
 def sign(root: Expr) -> int:
-    """+1 if `root` is >= 0 wherever it is not NaN, -1 if it is <= 0, 0 if either may be:
-    a sum of terms of one sign cannot cancel."""
+    """+1 if `root` is >= 0 wherever it is finite, -1 if it is <= 0, 0 if either may be:
+    a sum of terms of one sign cannot cancel. (Infinities are left out: 1 / -0.0 is -inf
+    although -0.0 >= 0, and a sum with an infinite term is no question of accuracy.)"""
     s: dict[Expr, int] = {}
     for e in walk([root]):
         a = [s[x] for x in e.args]
