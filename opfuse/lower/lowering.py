@@ -105,6 +105,7 @@ class _Lowering:
         self.dims: tuple[int, ...] = ()
         self.full_vars: tuple[Var, ...] = ()
         self.full_index: tuple[Ix, ...] = ()
+        self.inner_vars: frozenset[Var] = frozenset()  # the reduced dims' loop variables
         self.reduction_size = 1
 
     # -- group structure --------------------------------------------------------------
@@ -199,7 +200,7 @@ class _Lowering:
                     self.recomputed.add(v)
             else:
                 args[name] = v
-        widened = self.rows.widen(n, args, {self.full_vars[d] for d in self.dims})
+        widened = self.rows.widen(n, args, self.inner_vars)
         if widened:
             compute = torch.float64
         for name, e in args.items():
@@ -381,11 +382,12 @@ class _Lowering:
             raise NotFusable(f"no output covers the domain {list(shape)}")
         self._set_domain(shape)
 
-    def _set_domain(self, shape: tuple[int, ...]) -> None:
+    def _set_domain(self, shape: tuple[int, ...], dims: tuple[int, ...] = ()) -> None:
         self.full_shape = shape
-        self.dims = ()
+        self.dims = dims
         self.full_vars = tuple(Var(f"i{d}", s) for d, s in enumerate(shape))
         self.full_index = tuple(Ix.var(v) for v in self.full_vars)
+        self.inner_vars = frozenset(self.full_vars[d] for d in dims)
 
     def _kept_shape(self, keepdim: bool) -> tuple[int, ...]:
         if keepdim:
@@ -404,10 +406,7 @@ class _Lowering:
                     f"{r.name} reduces dims {list(d2)} of {list(s2)}, "
                     f"{first.name} reduces dims {list(dims)} of {list(shape)}"
                 )
-        self.full_shape = shape
-        self.dims = dims
-        self.full_vars = tuple(Var(f"i{d}", s) for d, s in enumerate(shape))
-        self.full_index = tuple(Ix.var(v) for v in self.full_vars)
+        self._set_domain(shape, dims)
 
     def _passes(
         self, roots: list[tuple[Buffer, tuple[Ix, ...], Expr, Ix | None]]
@@ -433,13 +432,12 @@ class _Lowering:
 
         for a in self.accumulates.values():
             stage_of(a.name)
-        inner_vars = {self.full_vars[d] for d in self.dims}
         inner: dict[int, list[Store]] = {}
         after: dict[int, list[Store]] = {}
         for buf, idx, e, guard in roots:
             st = Store(buf.name, address(idx, buf.stride), e, guard)
             d = deps(e)
-            if not self.dims or st.index.variables() & inner_vars:
+            if not self.dims or st.index.variables() & self.inner_vars:
                 inner.setdefault(d + 1, []).append(st)
             else:
                 after.setdefault(max(d, 0), []).append(st)

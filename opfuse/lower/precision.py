@@ -77,7 +77,7 @@ class RowPrecision:
         self.roundings[narrow] = wide
         return narrow
 
-    def widen(self, n: Node, args: dict[str, Any], inner: set[Var]) -> bool:
+    def widen(self, n: Node, args: dict[str, Any], inner: frozenset[Var]) -> bool:
         """Whether pointwise node `n` computes in float64: a float32 op of WIDENS whose
         every tensor operand is a per-row value (reduction results, constants, loads that
         do not move along the reduced loop variables `inner`) and one of them a rounding of

@@ -26,6 +26,7 @@ from ...lower.kernel import Kernel
 from ...plan import Built, BuiltKernel
 from ..c.build import cache_dir
 from ..c.module import Make, Module
+from .libdevice import interpreting
 from .render import NotRenderable, render_kernel, render_module
 
 _lock = threading.Lock()
@@ -139,10 +140,6 @@ def _trial(k: Kernel, fn: Any, metas: list[TensorMeta]) -> bool:
         log.warning("Triton kernel %s failed its trial launch, torch runs it: %s", k.name, e)
         return False
     return True
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _on_gpu(graph: Graph) -> bool:

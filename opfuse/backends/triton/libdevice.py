@@ -5,6 +5,7 @@ computed with numpy on the interpreter's arrays."""
 from __future__ import annotations
 
 import math
+import os
 from types import SimpleNamespace
 from typing import Any
 
@@ -45,6 +46,11 @@ def _interpreted() -> Any:
         "erf": vec(math.erf), "erfc": vec(math.erfc), "lgamma": vec(math.lgamma),
     }  # fmt: skip
     return SimpleNamespace(**{k: wrap(f) for k, f in table.items()})
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its interpreter (on CPU tensors) in this process."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def for_mode(interpret: bool) -> Any:

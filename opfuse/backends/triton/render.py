@@ -312,10 +312,9 @@ def render_module(kernels: Sequence[str]) -> str:
         "import torch",
         "import triton",
         "import triton.language as tl",
-        "import os",
-        "from opfuse.backends.triton.libdevice import for_mode",
+        "from opfuse.backends.triton.libdevice import for_mode, interpreting",
         "",
-        'libdevice = for_mode(os.environ.get("TRITON_INTERPRET") == "1")',
+        "libdevice = for_mode(interpreting())",
         PRELUDE,
     ]
     return "\n".join(head) + "\n\n" + "\n\n".join(kernels)
