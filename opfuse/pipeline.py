@@ -2,7 +2,7 @@
 
 graph  = capture(model)                 capture.py       torch.export / AOTAutograd
 graph  = rewrite(graph)                 rewrite/         fold BatchNorm, constants; attention;
-                                                         layout
+                                                         layout; pools as window reductions
 kinds  = classify(graph)                fusion/classify  ordered op kinds
 groups = partition(graph, kinds)        fusion/          the decision, with why-nots
 kernels = lower(groups)                 lower/           loop nest + scalar expressions
@@ -41,6 +41,7 @@ from .rewrite.attention import fuse_attention
 from .rewrite.batchnorm import Fold, Refusal, fold_batchnorm, lower_batchnorm
 from .rewrite.cleanup import copies_in_kernels, fold_constants, split_to_views
 from .rewrite.layout import channels_last
+from .rewrite.pooling import pools_in_kernels
 from .rewrite.random import random_in_kernels
 from .runtime import Runtime
 
@@ -144,6 +145,7 @@ def compile_graph(
     report.attention = rw.attention
     report.random = rw.random
     report.constants = rw.constants
+    report.pools = rw.pools
     report.backend = f"{chosen} ({why})"
     report.compile_seconds = time.perf_counter() - t0
     report.cached = module.cached
@@ -174,6 +176,7 @@ class Rewritten:
     attention: list[str]  # attentions fused into one call, or kept explicit and why
     random: list[str]  # uniform draws moved into kernels
     constants: list[str]  # ops on frozen constants alone, evaluated at compile time
+    pools: list[str] = field(default_factory=list)  # pools computed as window reductions
 
 
 def backend(graph: Graph, opts: Options) -> tuple[str, str]:
@@ -203,11 +206,13 @@ def rewrite(graph: Graph, opts: Options, devices: tuple[str, ...] = ("cpu",)) ->
     if opts.layout == "channels-last":
         relaid = channels_last(graph)
         graph, layout = relaid.graph, relaid.note
+    # after the layout pass: a pool over channels-last input reduces with lanes along C
+    graph, pools = pools_in_kernels(graph, devices)
     random: list[str] = []
     if opts.random == "kernel":
         graph, random = random_in_kernels(graph, devices)
     graph = copies_in_kernels(graph)
-    return Rewritten(graph, folds, refusals, layout, attention, random, constants)
+    return Rewritten(graph, folds, refusals, layout, attention, random, constants, pools)
 
 
 def tune(

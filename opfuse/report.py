@@ -71,6 +71,7 @@ class FusionReport:
     backend: str = ""  # which backend generated the kernels, and why
     # ops whose inputs were all frozen constants: evaluated once at compile time
     constants: list[str] = field(default_factory=list)
+    pools: list[str] = field(default_factory=list)  # pools computed as window reductions
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -109,6 +110,7 @@ class FusionReport:
             self.random + other.random,
             self.backend or other.backend,
             self.constants + other.constants,
+            self.pools + other.pools,
         )
 
     def patterns(self) -> dict[str, int]:
@@ -157,11 +159,12 @@ def format_table(r: FusionReport, width: int = 100) -> str:
 
 def notes(r: FusionReport) -> list[tuple[str, str]]:
     """(label, text) lines under the table: folds, refusals, attention, random draws,
-    compile-time constants, layout, backend. Shared by the plain and the CLI's table."""
+    pools, compile-time constants, layout, backend. Shared by the plain and the CLI's table."""
     out = [("fold", f"{f.batchnorm} -> {f.conv}") for f in r.folds]
     out += [("not fused", f"{x.producer} -> {x.consumer}: {x.reason}") for x in r.rejected]
     out += [("attention", a) for a in r.attention]
     out += [("", a) for a in r.random]
+    out += [("pool", p) for p in r.pools]
     if r.constants:
         counts: dict[str, int] = {}
         for op in r.constants:

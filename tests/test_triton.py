@@ -387,6 +387,22 @@ def test_channels_last_statistics_and_group_norm() -> None:
     _check(fn, x, tol=1e-4)
 
 
+def test_pools_are_window_reductions() -> None:
+    x = torch.randn(2, 8, 13, 14)
+
+    def fn(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (
+            F.max_pool2d(t.relu(), 3, 2, 1, ceil_mode=True),
+            F.avg_pool2d(t, 3, 1, 1, count_include_pad=False) - t,
+            F.max_pool2d(t, 9, 1, 4),  # one pass per dimension
+        )
+
+    for t in (x, x.to(memory_format=torch.channels_last)):
+        f = _check(fn, t, tol=1e-5)
+        assert [g.pattern for g in f.report.groups] == ["reduction"] * 4
+        assert len(f.report.pools) == 3
+
+
 @pytest.mark.skipif(DEVICE == "cpu", reason="needs GPU tensors")
 def test_auto_backend_is_triton_for_gpu_graphs() -> None:
     x = torch.randn(64, 64)

@@ -156,6 +156,24 @@ def micro_cases() -> list[Case]:
             min_bytes=io_bytes,
         ),
         Case(
+            "max_pool2d(relu(x)) 3x3/2 8x64x112x112",
+            "reduction",
+            lambda: (
+                Fn(lambda s, x: F.max_pool2d(x.relu(), 3, 2, 1)).eval(),
+                (_rand(8, 64, 112, 112),),
+            ),
+            min_bytes=io_bytes,
+        ),
+        Case(
+            "avg_pool2d(x) - x 3x3/1 NHWC 8x64x56x56",
+            "reduction",
+            lambda: (
+                Fn(lambda s, x: F.avg_pool2d(x, 3, 1, 1, count_include_pad=False) - x).eval(),
+                (_rand(8, 64, 56, 56).contiguous(memory_format=torch.channels_last),),
+            ),
+            min_bytes=io_bytes,
+        ),
+        Case(
             "linear+bias+gelu 2048x1024x4096",
             "gemm",
             lambda: _linear(True),

@@ -333,6 +333,15 @@ def ix_as_strided(
     return delinearize(flat, m.shape)
 
 
+def ix_unfold(out: Sequence[Ix], self: Any, dimension: int, size: int, step: int) -> tuple[Ix, ...]:
+    """Tensor.unfold: windows of `size` every `step` along `dimension`, the position inside
+    the window a new last dimension (pooling's windows)."""
+    d = _norm_dim(dimension, len(_shape(self)))
+    inp = list(out[:-1])
+    inp[d] = out[d] * step + out[-1]
+    return tuple(inp)
+
+
 def ix_identity(out: Sequence[Ix], self: Any, *args: Any, **kwargs: Any) -> tuple[Ix, ...]:
     return tuple(out)
 
@@ -667,6 +676,7 @@ OPS: dict[str, OpInfo] = {
     "aten.alias.default": view(ix_identity),
     "aten.detach.default": view(ix_identity),
     "aten.as_strided.default": view(ix_as_strided),
+    "aten.unfold.default": view(ix_unfold),
     # data movement eager copies; fused kernels read through it like a view
     "aten.flip.default": copy_view(ix_flip),
     "aten.repeat.default": copy_view(ix_repeat),

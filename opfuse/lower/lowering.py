@@ -33,7 +33,7 @@ from ..ir.ops import Kind, info, is_generator, reads_through, short
 from ..ir.scalar import Expr, cast, const, opmath, walk
 from .constants import formula as constant_formula
 from .kernel import Accumulate, Buffer, Kernel, Pass, Store
-from .precision import SUM_BLOCK, RowPrecision, sum_in_runs
+from .precision import SUM_BLOCK, RowPrecision, short_sum, sum_in_runs
 
 
 class NotFusable(Exception):
@@ -265,6 +265,8 @@ class _Lowering:
         x = self.value(src, self.full_index)
         in_dtype = src.tensor.dtype
         adt = acc_dtype(red.combine, in_dtype)
+        if short_sum(red.combine, opmath(in_dtype), self.reduction_size):
+            adt = torch.float32
         name = f"acc{len(self.accumulates)}"
         # max/min/argmax compare values exactly in opmath; sums and variances accumulate in adt
         selects = red.combine in ("argmax", "argmin", "max", "min")

@@ -32,7 +32,7 @@ int fused_argmax_var_amin_0(void *const *args, int nthreads) {
         { const double d = t2 - acc1_Lmean[l];
           acc1_Lmean[l] += d * acc1_inv;
           acc1_Lm2[l] += d * (t2 - acc1_Lmean[l]); }
-        acc2_L[l] = op_min_float(acc2_L[l], t1);
+        acc2_L[l] = op_min_float(t1, acc2_L[l]);
       }
     }
     for (int64_t r0 = r0_b0; r0 < 70; r0++) {
@@ -43,7 +43,7 @@ int fused_argmax_var_amin_0(void *const *args, int nthreads) {
         acc0_Li[0] = tk ? (int64_t)(r0) : acc0_Li[0]; }
       { acc1_tn += 1; const double d = t4 - acc1_tmean;
         acc1_tmean += d / acc1_tn; acc1_tm2 += d * (t4 - acc1_tmean); }
-      acc2_L[0] = op_min_float(acc2_L[0], t3);
+      acc2_L[0] = op_min_float(t3, acc2_L[0]);
     }
     float acc0_value = (-INFINITY);
     int64_t acc0_index = INT64_MAX;

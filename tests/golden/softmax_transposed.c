@@ -8,17 +8,17 @@ int fused_clone_amax_sub_exp_sum_and_1_more_0(void *const *args, int nthreads) {
   for (int64_t x0_blk = 0; x0_blk < 1; x0_blk++) {
     const int64_t nl = 12 - x0_blk * 512 < 512 ? 12 - x0_blk * 512 : 512;
     float acc0_L[512];
-    for (int l = 0; l < 512; l++) { acc0_L[l] = (-INFINITY); }
+    for (int l = 0; l < nl; l++) { acc0_L[l] = (-INFINITY); }
     for (int64_t r0 = 0; r0 < 50; r0++) {
       #pragma omp simd
       for (int l = 0; l < nl; l++) {
         const int64_t x0 = x0_blk * 512 + l;
         const float t1 = in0[12*r0 + x0];
-        acc0_L[l] = op_max_float(acc0_L[l], t1);
+        acc0_L[l] = op_max_float(t1, acc0_L[l]);
       }
     }
     double acc1_L[512];
-    for (int l = 0; l < 512; l++) { acc1_L[l] = 0; }
+    for (int l = 0; l < nl; l++) { acc1_L[l] = 0; }
     for (int64_t r0 = 0; r0 < 50; r0++) {
       #pragma omp simd
       for (int l = 0; l < nl; l++) {

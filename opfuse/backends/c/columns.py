@@ -43,7 +43,7 @@ def columns(k: Kernel, lines: list[str], split: bool = False) -> None:
     lane = [(vec.name, f"{vec.name}_blk * {COLUMN_LANES} + l")]
     em = Emitter([{}], [0])
     for p in k.passes:
-        _declare_lanes(p.accumulates, lines, indent, COLUMN_LANES)
+        _declare_lanes(p.accumulates, lines, indent, COLUMN_LANES, "nl")
         ind = indent
         for i, v in enumerate(k.inner):
             lo, hi = ("lo", "hi") if split and i == 0 else ("0", str(v.extent))
