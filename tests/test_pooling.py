@@ -133,6 +133,14 @@ def test_a_large_max_window_runs_one_pass_per_dimension() -> None:
         assert len(reductions) == 1 + 2 + 2  # 5x5 in one pass, 9x9 and 13x13 in two
 
 
+def test_a_global_max_pool_is_one_reduction() -> None:
+    # non-overlapping windows read every element once: no pass per dimension
+    x = torch.randn(2, 8, 14, 15)
+    for cl in (False, True):
+        _, fast = _compile(lambda t: F.adaptive_max_pool2d(t, 1).flatten(1), _layout(x, cl))
+        assert [g.pattern for g in fast.report.groups] == ["reduction"], str(fast.report)
+
+
 def test_pools_torch_must_compute_stay_torch_calls() -> None:
     x = torch.randn(2, 8, 14, 14)
     for f in (

@@ -164,7 +164,8 @@ def _variance_algorithm(k: Kernel) -> Kernel:
 def _choose(k: Kernel) -> str:
     """rows: each thread reduces whole rows, lanes along the reduced dimension.
     columns: the dimension memory walks contiguously is a kept one (a reduction over
-    leading dims, channels-last statistics): lanes are neighbouring outputs.
+    leading dims, channels-last statistics), or each output reduces a small window (a
+    pool): lanes are neighbouring outputs.
     split: few long rows: every thread takes a slice of each row.
     columns_split: columns, but too few blocks of them for the threads (BatchNorm
     statistics of 64 channels-last channels: one block): every thread takes a slice of the

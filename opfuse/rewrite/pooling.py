@@ -36,8 +36,10 @@ POOLS: dict[str, tuple[str, int]] = {
     "aten.adaptive_max_pool3d.default": ("max", 3),
 }
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
-# Max pooling runs one pass per dimension where that reads SEPARABLE times fewer elements
-# (9x9 and wider; not 3x3x3, whose passes' intermediates cost more than they save).
+# Max pooling over overlapping windows runs one pass per dimension where that reads
+# SEPARABLE times fewer elements (9x9 and wider; not 3x3x3, whose passes' intermediates
+# cost more than they save; never a global or other non-overlapping pool, which reads
+# every element once anyway).
 SEPARABLE = 4
 
 
@@ -162,7 +164,8 @@ def _window_reduction(
     pooled = [(nd - dims + j, w, o) for j, (w, o) in enumerate(zip(windows, outs))]
     v: Node | None
     sizes = [w.size for w in windows]
-    if kind == "max" and math.prod(sizes) > SEPARABLE * sum(sizes):
+    overlap = all(w.stride < w.size for w in windows)  # else every element is read once
+    if kind == "max" and overlap and math.prod(sizes) > SEPARABLE * sum(sizes):
         # The maximum over a k x k window is the maximum over k rows of the maxima over k
         # columns: one pass per dimension reads 2k elements per output instead of k*k
         # (SPP's 13 x 13 pooling, 8x256x20x20 NCHW: 62 -> 8 ms).
@@ -188,7 +191,7 @@ def _window_reduction(
     if not (
         isinstance(m, TensorMeta)
         and (m.shape, m.dtype) == (values.shape, values.dtype)
-        and (m.stride == values.stride or values.numel <= 1)
+        and all(a == b for a, b, n in zip(m.stride, values.stride, m.shape) if n > 1)
     ):
         del b.nodes[nodes_before:]  # torch lays this pool out some other way: keep it
         return None
