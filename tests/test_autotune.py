@@ -133,6 +133,15 @@ def test_an_unfused_candidate_must_win_by_a_margin() -> None:
     assert autotune.pick({"mkl-unfused": 0.01}) == "mkl-unfused"
 
 
+def test_a_convolution_reordering_its_weight_per_call_must_win_by_a_margin() -> None:
+    close = {"torch": 0.0100, "onednn": 0.0105}
+    assert autotune.pick(close) == "torch"  # a GEMM: no reorder, fastest wins
+    penalised = autotune.MATERIALISING | autotune.REORDERING
+    assert autotune.pick(close, penalised) == "onednn"
+    assert "prepacked weight kept" in autotune.Decision("onednn", close).describe()
+    assert autotune.pick({"torch": 0.0100, "onednn": 0.0120}, penalised) == "torch"
+
+
 def test_candidates_timed_one_at_a_time_get_a_second_round(clock: Clock) -> None:
     # A burst of load during "a"'s first turn (3x slower) must not decide on its own.
     turns: dict[str, int] = {}
