@@ -238,3 +238,23 @@ def test_random_pools_match_eager(
         return  # an output size torch rejects
     m, fast = _compile(f, x)
     assert fast(x).stride() == m(x).stride()
+
+
+@pytest.mark.parametrize(
+    "f, x",
+    [
+        (  # ViT-style patchify: one copy kernel reading through the windows
+            lambda t: (
+                t.unfold(2, 4, 4).unfold(3, 4, 4).permute(0, 2, 3, 1, 4, 5).reshape(2, 16, -1)
+            ),
+            torch.randn(2, 3, 16, 16),
+        ),
+        (lambda t: t.unfold(-1, 5, 1).mean(-1) - t[..., 2:-2], torch.randn(4, 50)),  # sliding
+        (lambda t: (t.unfold(-1, 16, 8) * torch.hann_window(16)).sum(-1), torch.randn(3, 128)),
+        (lambda t: t.unfold(0, 1, 1) + 1, torch.tensor(3.0)),  # 0-d: its one element
+    ],
+)
+def test_unfold_is_a_view_kernels_read_through(f: Any, x: torch.Tensor) -> None:
+    _, fast = _compile(f, x)
+    assert fast.report.kernels_after == 1
+    assert all(g.pattern in ("elementwise", "reduction") for g in fast.report.groups)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta
+from ..ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta, device_type
 from ..ir.ops import ATTENTION, SEED, Kind, info, torch_kernel_reason
 
 SUPPORTED_DTYPES = frozenset(
@@ -70,7 +70,7 @@ def _kind(n: Node, devices: tuple[str, ...]) -> tuple[Kind, str]:
         return Kind.INJECTIVE, ""
     metas = _tensor_metas(n)
     on = {m.device for m in metas}
-    if len(on) > 1 or any(d.split(":")[0] not in devices for d in on):
+    if len(on) > 1 or any(device_type(d) not in devices for d in on):
         return Kind.OPAQUE, f"tensors on {sorted(on)} (the backend's kernels run on {devices})"
     if row.kind == Kind.INJECTIVE:
         return Kind.INJECTIVE, ""

@@ -42,6 +42,10 @@ class TensorMeta:
         return self.numel * self.dtype.itemsize
 
     @property
+    def device_type(self) -> str:
+        return device_type(self.device)
+
+    @property
     def span(self) -> int:
         """Elements of storage the strided tensor spans: its largest offset + 1 (0 if
         empty). More than numel with gaps, less with overlaps (an expanded stride 0)."""
@@ -61,6 +65,11 @@ class TensorMeta:
             str(t.device),
             int(t.storage_offset()),
         )
+
+
+def device_type(device: str) -> str:
+    """'cuda:1' -> 'cuda'."""
+    return device.split(":")[0]
 
 
 def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

@@ -336,6 +336,8 @@ def ix_as_strided(
 def ix_unfold(out: Sequence[Ix], self: Any, dimension: int, size: int, step: int) -> tuple[Ix, ...]:
     """Tensor.unfold: windows of `size` every `step` along `dimension`, the position inside
     the window a new last dimension (pooling's windows)."""
+    if not _shape(self):
+        return ()  # a 0-d tensor unfolds into its one element
     d = _norm_dim(dimension, len(_shape(self)))
     inp = list(out[:-1])
     inp[d] = out[d] * step + out[-1]

@@ -96,7 +96,7 @@ def _rewrite(
     values = n.meta[0] if isinstance(n.meta, tuple) else n.meta
     if not isinstance(values, TensorMeta) or values.numel == 0 or xm.numel == 0:
         return None
-    if not xm.dtype.is_floating_point or xm.device.split(":")[0] not in devices:
+    if not xm.dtype.is_floating_point or xm.device_type not in devices:
         return None
     if isinstance(n.meta, tuple) and not all(u.op == GETITEM and u.args[1] == 0 for u in users):
         return None  # the indices are read (a backward): torch computes them

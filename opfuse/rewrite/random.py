@@ -113,5 +113,5 @@ def _rewritable(n: Node, devices: tuple[str, ...]) -> bool:
     return (
         n.meta.dtype in RANDOM_BITS
         and kw.get("generator") is None  # a caller's generator is theirs to advance
-        and n.meta.device.split(":")[0] in devices
+        and n.meta.device_type in devices
     )
