@@ -43,7 +43,7 @@ DROP_AFTER = 3
 SEQUENTIAL_BYTES = 32 << 20  # candidates are timed one after the other above this
 # Part of every decision's key: a change to how candidates are timed or run (the estimator,
 # an in-place variant) makes decisions remembered under the old rules stale.
-TUNER_VERSION = "6"
+TUNER_VERSION = "7"
 # Candidates that write the library's result to memory and read it back for the epilogue.
 # Timed alone, their intermediate stays in cache between the two kernels; inside a model it
 # evicts the data the next groups read, so they win only by a margin (ResNet-50 batch 8:
@@ -80,6 +80,33 @@ class Decision:
                 "which reorders its weight on every call"
             )
         return f"{self.choice} ({src}: {times}{why})"
+
+
+def penalised(anchor_op: str | None, intermediate_bytes: int) -> frozenset[str]:
+    """The candidates of a group whose alone-timing flatters them: materialising ones
+    while their intermediate fits in the last-level cache (larger, it makes its round trip
+    to memory when timed alone too: linear+bias+gelu 2048x1024x4096 writes 32 MiB and ran
+    118 ms unfused against 125 ms blocked in a model, as alone, yet the margin kept the
+    blocked one); torch's call on a convolution (its weight reorder)."""
+    out = frozenset(MATERIALISING) if intermediate_bytes <= _cache_bytes() // 2 else frozenset()
+    return out | REORDERING if anchor_op == "aten.convolution.default" else out
+
+
+@functools.lru_cache(maxsize=1)
+def _cache_bytes() -> int:
+    """The last-level cache's size, from sysfs (32 MiB where the system does not say)."""
+    best = (0, 0)  # (level, bytes)
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            level = int((d / "level").read_text())
+            text = (d / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            best = max(best, (level, int(digits) * unit))
+    return best[1] or 32 << 20
 
 
 def pick(seconds: Mapping[str, float], penalised: frozenset[str] = MATERIALISING) -> str:
@@ -332,9 +359,9 @@ def choose(
     del inputs
     if not seconds:
         return Decision(next(iter(candidates)), {})
-    conv = group.anchor is not None and group.anchor.op == "aten.convolution.default"
+    a = group.anchor
     decision = Decision(
-        pick(seconds, MATERIALISING | REORDERING if conv else MATERIALISING), seconds
+        pick(seconds, penalised(a.op if a else None, a.tensor.nbytes if a else 0)), seconds
     )
     save_decision(key, decision)
     return decision

@@ -142,6 +142,21 @@ def test_a_convolution_reordering_its_weight_per_call_must_win_by_a_margin() -> 
     assert autotune.pick({"torch": 0.0100, "onednn": 0.0120}, penalised) == "torch"
 
 
+def test_an_intermediate_larger_than_the_cache_gets_no_margin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Timed alone, an intermediate that does not fit in cache makes its round trip to
+    # memory anyway: the fastest candidate wins.
+    monkeypatch.setattr(autotune, "_cache_bytes", lambda: 32 << 20)
+    seconds = {"unfused": 0.0100, "blocked": 0.0105}
+    small = autotune.penalised("aten.addmm.default", 4 << 20)
+    assert autotune.pick(seconds, small) == "blocked"
+    large = autotune.penalised("aten.addmm.default", 32 << 20)
+    assert autotune.pick(seconds, large) == "unfused"
+    conv = autotune.penalised("aten.convolution.default", 32 << 20)
+    assert "torch" in conv and "unfused" not in conv
+
+
 def test_candidates_timed_one_at_a_time_get_a_second_round(clock: Clock) -> None:
     # A burst of load during "a"'s first turn (3x slower) must not decide on its own.
     turns: dict[str, int] = {}
