@@ -109,13 +109,12 @@ def _cache_bytes() -> int:
     return best[1] or 32 << 20
 
 
-def pick(seconds: Mapping[str, float], penalised: frozenset[str] = MATERIALISING) -> str:
-    """The fastest candidate, unless it is one of `penalised` (materialises its
-    intermediate; reorders its weight on every call) and another is within FUSED_MARGIN of
-    it."""
+def pick(seconds: Mapping[str, float], flattered: frozenset[str] = MATERIALISING) -> str:
+    """The fastest candidate, unless it is one of `flattered` (see `penalised`) and
+    another is within FUSED_MARGIN of it."""
     best = min(seconds, key=seconds.__getitem__)
-    fused = {k: v for k, v in seconds.items() if k not in penalised}
-    if best in penalised and fused:
+    fused = {k: v for k, v in seconds.items() if k not in flattered}
+    if best in flattered and fused:
         runner_up = min(fused, key=fused.__getitem__)
         if fused[runner_up] <= seconds[best] * FUSED_MARGIN:
             return runner_up

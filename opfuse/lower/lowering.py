@@ -63,11 +63,14 @@ def reduce_dims(n: Node) -> tuple[tuple[int, ...], bool]:
     return norm, bool(a.get("keepdim", False))
 
 
-def acc_dtype(combine: str, dtype: torch.dtype) -> torch.dtype:
-    """Accumulator dtype: sums and variances of floats accumulate in float64, so long
-    reductions stay at least as accurate as torch's cascaded float32 sums."""
+def acc_dtype(combine: str, dtype: torch.dtype, terms: int) -> torch.dtype:
+    """Accumulator dtype for a reduction of `terms` elements: sums and variances of floats
+    accumulate in float64, so long reductions stay at least as accurate as torch's cascaded
+    float32 sums; a float32 sum of a few terms (a pooling window) in float32."""
     if combine in ("any", "all"):
         return torch.bool
+    if short_sum(combine, opmath(dtype), terms):
+        return torch.float32
     if combine in ("sum", "welford"):
         if dtype.is_floating_point:
             return torch.float64
@@ -264,9 +267,7 @@ class _Lowering:
         src = a["self"]
         x = self.value(src, self.full_index)
         in_dtype = src.tensor.dtype
-        adt = acc_dtype(red.combine, in_dtype)
-        if short_sum(red.combine, opmath(in_dtype), self.reduction_size):
-            adt = torch.float32
+        adt = acc_dtype(red.combine, in_dtype, self.reduction_size)
         name = f"acc{len(self.accumulates)}"
         # max/min/argmax compare values exactly in opmath; sums and variances accumulate in adt
         selects = red.combine in ("argmax", "argmin", "max", "min")

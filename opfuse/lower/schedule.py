@@ -62,8 +62,12 @@ def _mergeable(group: list[Var], v: Var, ixs: Sequence[Ix]) -> bool:
     return all(ix.coef(inner) == ix.coef(v) * v.extent for ix in ixs)
 
 
+def _store_indices(k: Kernel) -> list[Ix]:
+    return [s.index for p in k.passes for s in (*p.stores, *p.after)]
+
+
 def finalize(k: Kernel) -> Kernel:
-    stores = [s.index for p in k.passes for s in (*p.stores, *p.after)]
+    stores = _store_indices(k)
     k = refine(k, [ix for _, ix in accesses(k)], stores)
     ixs = [ix for _, ix in accesses(k)]
     outs = k.outputs
@@ -211,7 +215,7 @@ def _window(k: Kernel, primary: Ix, vec: Var) -> bool:
         # neighbouring outputs read disjoint contiguous runs (a sum over a short last
         # dimension): rows reduce those; overlapping windows (stride < run) take lanes
         return False
-    stores = [s.index for p in k.passes for s in (*p.stores, *p.after)]
+    stores = _store_indices(k)
     return bool(stores) and all(abs(ix.coef(vec)) == 1 for ix in stores)
 
 

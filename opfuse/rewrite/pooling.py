@@ -104,7 +104,7 @@ def _rewrite(
     windows = _windows(n.op, a, xm.shape[-dims:], values.shape[-dims:], dims)
     if windows is None:
         return None
-    new = _window_reduction(b, b.get(x), xm, values, kind, windows, a, n)
+    new = _window_reduction(b, b.get(x), values, kind, windows, a, n)
     if new is None:
         return None
     sizes = "x".join(str(w.size) for w in windows)
@@ -147,7 +147,6 @@ def _windows(
 def _window_reduction(
     b: GraphBuilder,
     x: Node,
-    xm: TensorMeta,
     values: TensorMeta,
     kind: str,
     windows: Sequence[Window],
@@ -155,6 +154,7 @@ def _window_reduction(
     n: Node,
 ) -> Node | None:
     aten = torch.ops.aten
+    xm = x.tensor
     dims = len(windows)
     nd = xm.ndim
     src = n.source
@@ -162,7 +162,6 @@ def _window_reduction(
     ins = xm.shape[-dims:]
     outs = values.shape[-dims:]
     pooled = [(nd - dims + j, w, o) for j, (w, o) in enumerate(zip(windows, outs))]
-    v: Node | None
     sizes = [w.size for w in windows]
     overlap = all(w.stride < w.size for w in windows)  # else every element is read once
     if kind == "max" and overlap and math.prod(sizes) > SEPARABLE * sum(sizes):
