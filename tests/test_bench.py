@@ -60,3 +60,46 @@ def test_the_table_says_where_the_time_went_and_under_which_matmul_precision() -
         assert "float32 matmul precision 'high'" in _title(60.0)
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_epilogue_cost_is_the_median_of_per_round_ratios() -> None:
+    # A drift that doubles both calls of a round must not move the cost; the ratio of the
+    # two medians would read it as 0% here only by luck of the sample order.
+    from opfuse.bench.run import Result
+    from opfuse.bench.timing import of, paired_ratio
+
+    fused = of([1.05, 2.10, 4.20, 1.05, 2.10])
+    bare = of([1.00, 2.00, 4.00, 1.00, 2.00])
+    assert paired_ratio(fused, bare) == pytest.approx(1.05)
+    r = Result("linear+bias+gelu", "gemm", timings={"opfuse": fused}, bare={"torch": bare})
+    assert r.epilogue_cost() == pytest.approx(0.05)
+    # candidates timed apart (no shared rounds) fall back to the ratio of medians
+    assert paired_ratio(of([3.0]), of([1.0, 2.0])) == pytest.approx(2.0)
+
+
+def test_the_bare_library_call_runs_right_after_the_fused_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from opfuse.bench import run
+    from opfuse.bench.cases import Case
+
+    orders: list[list[str]] = []
+    real = run.time_interleaved
+
+    def spy(candidates, **kw):  # type: ignore[no-untyped-def]
+        orders.append(list(candidates))
+        return real(candidates, **kw)
+
+    monkeypatch.setattr(run, "time_interleaved", spy)
+
+    def lin(epilogue: bool):  # type: ignore[no-untyped-def]
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(32, 64), *([torch.nn.ReLU()] if epilogue else []))
+        return m.eval(), (torch.randn(16, 32),)
+
+    case = Case("tiny linear+relu", "gemm", lambda: lin(True), bare=lambda: lin(False), reps=3)
+    r = run.run_inference(case, reps=3, inductor=False)
+    assert not r.error
+    assert orders == [["eager", "opfuse", "bare torch", "bare opfuse"]]
+    assert set(r.bare) == {"torch", "opfuse"} and r.epilogue_cost() is not None
+    assert len(r.timings["opfuse"].samples) == len(r.bare["torch"].samples) == 3

@@ -25,7 +25,7 @@ import torch
 
 from .cases import Case, all_cases
 from .memory import PRECISION_ENV
-from .timing import Timing, time_interleaved
+from .timing import Timing, of, paired_ratio, time_interleaved
 
 
 @dataclass
@@ -48,9 +48,10 @@ class Result:
     wall_seconds: float = 0.0  # what the case took in all: compiles, checks, timing
 
     def speedup(self, base: str) -> float | None:
+        """base's time over opfuse's: the median of the per-round ratios."""
         if "opfuse" not in self.timings or base not in self.timings:
             return None
-        return self.timings[base].median / self.timings["opfuse"].median
+        return paired_ratio(self.timings[base], self.timings["opfuse"])
 
     def bandwidth_pct(self) -> float | None:
         if not self.bytes or self.copy is None or "opfuse" not in self.timings:
@@ -58,10 +59,11 @@ class Result:
         return 100.0 * self.copy.median / self.timings["opfuse"].median
 
     def epilogue_cost(self) -> float | None:
-        """Fused op time over the bare library call's time, minus one."""
+        """Fused op time over the bare library call's time, minus one: the median of the
+        per-round ratios (the two run back to back in each round)."""
         if "torch" not in self.bare or "opfuse" not in self.timings:
             return None
-        return self.timings["opfuse"].median / self.bare["torch"].median - 1.0
+        return paired_ratio(self.timings["opfuse"], self.bare["torch"]) - 1.0
 
 
 def machine(device: str = "cpu") -> str:
@@ -181,8 +183,13 @@ def run_inference(case: Case, reps: int, inductor: bool = True, device: str = "c
         # epilogue's cost is a few percent, far below this machine's drift between runs.
         bm, bi = _to(device, *case.bare())
         bfast = opfuse.compile(bm, bi)
+        # right after the fused call in each round, so the two see the same moment of the
+        # machine and the cost is a per-round ratio (Result.epilogue_cost)
+        order = list(candidates)
+        order.insert(order.index("opfuse") + 1, "bare torch")
         candidates["bare torch"] = lambda: bm(*bi)
         candidates["bare opfuse"] = lambda: bfast(*bi)
+        candidates = {k: candidates[k] for k in [*order, "bare opfuse"]}
     # Whole models: each timed call right after an untimed one of the same candidate (see
     # timing.py); a micro case's working set is small next to what the rounds evict.
     # A model's settling call before each timed one also does the warm-up's work (its
@@ -233,7 +240,7 @@ def run_training(name: str, batch: int, reps: int) -> Result:
         import statistics
 
         for k, v in samples.items():
-            timings[k] = Timing(statistics.median(v), min(v), max(v), len(v))
+            timings[k] = of(v)
     res.timings = timings
     res.samples_per_second = {k: batch / t.median for k, t in timings.items()}
     res.ceiling = timings["eager"].median / statistics.median(library)
@@ -357,6 +364,13 @@ def markdown(results: list[Result], title: str) -> str:
                 )
         out.append("")
         out += _fresh_compile_table(mem)
+    if micro or models or train:
+        out += [
+            "vs columns and epilogue cost: the median over timing rounds of the two calls' "
+            "ratio (each round runs every candidate once), so drift between rounds cancels; "
+            "they can differ from the ratio of the ms columns (medians).",
+            "",
+        ]
     out += _time_spent(results)
     return "\n".join(out)
 
@@ -432,7 +446,7 @@ def plots(results: list[Result], out: Path) -> list[str]:
             [("inductor", "#999999"), ("inductor-freezing", "#555555"), ("opfuse", "#d95f02")]
         ):
             vals = [
-                r.timings["eager"].median / r.timings[cand].median if cand in r.timings else 0
+                paired_ratio(r.timings["eager"], r.timings[cand]) if cand in r.timings else 0
                 for r in models
             ]
             ax.bar([x + (i - 1) * 0.27 for x in xs], vals, width=0.27, label=cand, color=color)

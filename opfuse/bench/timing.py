@@ -23,6 +23,9 @@ class Timing:
     low: float
     high: float
     reps: int
+    # every timed call in round order: candidates timed in the same rounds compare call by
+    # call (see `paired_ratio`)
+    samples: tuple[float, ...] = ()
 
     def ms(self) -> str:
         return f"{self.median * 1e3:.3f}"
@@ -56,7 +59,24 @@ def time_interleaved(
                 fn()
                 samples[k].append(time.perf_counter() - t0)
             r += 1
-    return {k: Timing(statistics.median(v), min(v), max(v), len(v)) for k, v in samples.items()}
+    return {k: of(v) for k, v in samples.items()}
+
+
+def of(samples: list[float]) -> Timing:
+    """The summary of a candidate's timed calls."""
+    return Timing(
+        statistics.median(samples), min(samples), max(samples), len(samples), tuple(samples)
+    )
+
+
+def paired_ratio(a: Timing, b: Timing) -> float:
+    """Median over rounds of a's call time over b's, for two candidates timed in the same
+    rounds; the ratio of medians where they were not. Drift from one round to the next
+    (frequency, a neighbour's load) hits both calls of a round alike and cancels in the
+    ratio, which the ratio of the two medians does not do."""
+    if len(a.samples) != len(b.samples) or not a.samples:
+        return a.median / b.median
+    return statistics.median(x / y for x, y in zip(a.samples, b.samples))
 
 
 def _synchronised(fn: Callable[[], object], device: str) -> Callable[[], object]:
