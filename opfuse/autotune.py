@@ -43,7 +43,7 @@ DROP_AFTER = 3
 SEQUENTIAL_BYTES = 32 << 20  # candidates are timed one after the other above this
 # Part of every decision's key: a change to how candidates are timed or run (the estimator,
 # an in-place variant) makes decisions remembered under the old rules stale.
-TUNER_VERSION = "7"
+TUNER_VERSION = "8"
 # Candidates that write the library's result to memory and read it back for the epilogue.
 # Timed alone, their intermediate stays in cache between the two kernels; inside a model it
 # evicts the data the next groups read, so they win only by a margin (ResNet-50 batch 8:

@@ -270,32 +270,57 @@ def _made(makers: dict[str, Make], names: Iterable[str]) -> dict[str, Built | No
 
 
 def _io_signature(graph: Graph, g: Any) -> list[str]:
-    """Shapes, strides and dtypes of what the group reads and of the anchor call."""
+    """Shapes, strides and dtypes of what the group reads and of the anchor call, and
+    which of its inputs die with it (an in-place candidate is timed only over those)."""
     inside = set(g.nodes)
     out = []
     for n in g.nodes:
         out.append(f"{n.op}:{n.meta}")
         for i in n.inputs():
             if i not in inside:
-                out.append(f"in:{i.op}:{i.meta}")
+                dies = ":dies" if _dies_with(graph, i, g.nodes) else ""
+                out.append(f"in:{i.op}:{i.meta}{dies}")
     return out
 
 
 def _donation_checked(graph: Graph, members: list[Any], b: Built | None) -> Built | None:
     """A library call that can write over its input keeps that variant only when the input
     dies with the group (the plan checks the rest): then the tuner times the in-place call,
-    which is what will run."""
+    which is what will run. Other readers the group depends on run before it, so they do
+    not keep the input alive (ResNet's block input feeds the block's first convolution and
+    the residual add of its last)."""
     if not isinstance(b, BuiltCall) or b.inplace is None or b.donor is None:
         return b
-    d = b.inputs[b.donor]
+    return (
+        b if _dies_with(graph, b.inputs[b.donor], members) else replace(b, inplace=None, donor=None)
+    )
+
+
+def _dies_with(graph: Graph, d: Any, members: list[Any]) -> bool:
+    """Is the group the last reader of value d (made by the graph, not an output)?"""
+    if d.op in (INPUT, CONSTANT) or d in graph.output_set:
+        return False
     inside = {m.name for m in members}
-    if (
-        d.op in (INPUT, CONSTANT)
-        or d in graph.output_set
-        or any(u.name not in inside for u in graph.users[d])
-    ):
-        return replace(b, inplace=None, donor=None)
-    return b
+    return _run_before(graph, [u for u in graph.users[d] if u.name not in inside], members)
+
+
+def _run_before(graph: Graph, readers: list[Any], members: list[Any]) -> bool:
+    """Is every one of `readers` an ancestor of a member (so it runs before the group)?"""
+    if not readers:
+        return True
+    index = graph.index
+    lo = min(index[r] for r in readers)
+    want = set(readers)
+    seen: set[Any] = set()
+    stack = [i for m in members for i in m.inputs()]
+    while stack and want:
+        x = stack.pop()
+        if x in seen or index[x] < lo:
+            continue
+        seen.add(x)
+        want.discard(x)
+        stack.extend(x.inputs())
+    return not want
 
 
 class _InPlaceTiming:

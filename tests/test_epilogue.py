@@ -430,6 +430,52 @@ def test_conv_add_writes_over_a_dead_residual_only(layout: str, residual: str) -
     assert torch.equal(r, r_before)  # a caller's tensor is never written over
 
 
+class _Block(nn.Module):
+    """stem -> (block input) -> conv -> relu -> conv -> + block input -> relu: the block
+    input's other reader (the first conv) runs before the tail, so the tail's add may write
+    over it; unless a later layer reads it again."""
+
+    def __init__(self, read_later: bool) -> None:
+        super().__init__()
+        self.read_later = read_later
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.a = nn.Conv2d(16, 8, 1)
+        self.b = nn.Conv2d(8, 16, 3, padding=1)
+        self.head = nn.Conv2d(16, 4, 1)  # the next block: the tail's output stays inside
+
+    def forward(self, x: torch.Tensor) -> Any:
+        x0 = torch.relu(self.stem(x))
+        y = torch.relu(self.b(torch.relu(self.a(x0))) + x0)
+        return self.head(y * x0 if self.read_later else y)
+
+
+@pytest.mark.parametrize("read_later", [False, True])
+def test_the_tuner_times_the_in_place_call_the_plan_will_run(
+    read_later: bool, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from opfuse import pipeline
+
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))  # nothing remembered: it times
+    timed: list[str] = []
+    real = pipeline._InPlaceTiming.__init__
+
+    def spy(self: Any, graph: Any, b: Any) -> None:
+        timed.append(b.output.name)
+        real(self, graph, b)
+
+    monkeypatch.setattr(pipeline._InPlaceTiming, "__init__", spy)
+    torch.manual_seed(0)
+    m = _Block(read_later).eval()
+    x = torch.randn(2, 3, 12, 12)
+    fast = opfuse.compile(m, (x,), options=opfuse.Options(layout="channels-last"))
+    tail = [g for g in anchored(fast.report, "conv_epilogue") if "aten.add.Tensor" in g.ops]
+    assert len(tail) == 1
+    assert len(timed) == (0 if read_later else 1), (timed, str(fast.report))
+    if tail[0].implementation.startswith("onednn"):
+        assert len(_donating(fast)) == (0 if read_later else 1)
+    assert_matches_eager(m, fast(x), (x,))
+
+
 @pytest.mark.parametrize("precision", ["highest", "high"])
 def test_float32_onednn_gemm_only_where_the_user_allows_less_precision(precision: str) -> None:
     # oneDNN's packed float32 GEMM is faster here than MKL's but 2-3x further from float64:
