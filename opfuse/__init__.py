@@ -7,6 +7,7 @@ torch.compile(model, backend="opfuse")            # inference and training
 
 from .api import CompiledModule, RecompileError, compile, explain
 from .fold import fold_batchnorm
+from .heap import keep_freed_memory
 from .pipeline import Options
 from .report import FusionReport
 
@@ -37,4 +38,5 @@ __all__ = [
     "compile",
     "explain",
     "fold_batchnorm",
+    "keep_freed_memory",
 ]

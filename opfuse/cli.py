@@ -47,6 +47,7 @@ def bench(args: argparse.Namespace) -> int:
         memory=not args.no_memory,
         matmul_precision=args.matmul_precision,
         device=args.device,
+        keep_heap=args.keep_heap,
     )
 
 
@@ -88,6 +89,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="cpu",
         help="where the models and inputs live: cpu, or cuda[:N] (opfuse then generates "
         "Triton; training and memory rows are CPU-only and skipped)",
+    )
+    b.add_argument(
+        "--keep-heap",
+        action="store_true",
+        help="glibc keeps freed memory for reuse (opfuse.keep_freed_memory) for every "
+        "candidate: warm calls then fault no pages in",
     )
     b.set_defaults(fn=bench)
     from opfuse.explain_cli import add_arguments

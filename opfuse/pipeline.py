@@ -15,7 +15,6 @@ run(plan, inputs)                       runtime.py
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import time
@@ -32,6 +31,7 @@ from .explain import make_report
 from .fusion.classify import classify
 from .fusion.groups import Partition, check_partition
 from .fusion.partition import Fuel, partition
+from .heap import release_freed_memory
 from .ir.graph import CONSTANT, INPUT, Graph
 from .lower.groups import lower_groups
 from .plan import Built, BuiltCall, build_plan, copied
@@ -156,15 +156,6 @@ def compile_graph(
     compiled = CompiledGraph(graph, Runtime(plan), report, module.source)
     release_freed_memory()
     return compiled
-
-
-def release_freed_memory() -> None:
-    """Hand the heap that compiling freed (timing inputs, losing candidates' packed weights)
-    back to the OS: glibc keeps freed heap pages resident, and a compiled model would
-    otherwise carry tens of MB of them for its lifetime."""
-    # not glibc: nothing to trim, or the allocator returns memory itself
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 @dataclass

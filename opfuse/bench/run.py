@@ -480,7 +480,15 @@ def main(
     memory: bool = True,
     matmul_precision: str = "highest",
     device: str = "cpu",
+    keep_heap: bool = False,
 ) -> int:
+    if keep_heap:
+        from ..heap import MMAP_THRESHOLD, TRIM_THRESHOLD, keep_freed_memory
+
+        keep_freed_memory()
+        # the memory rows' children too
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)
+        os.environ["MALLOC_TRIM_THRESHOLD_"] = str(TRIM_THRESHOLD)
     # Every candidate runs under the same float32 matmul precision; below "highest" opfuse
     # may pick oneDNN's faster, less exact float32 GEMM (see lower/groups.py). The memory
     # rows' child processes inherit it through the environment.
@@ -549,6 +557,8 @@ def _guarded(name: str, group: str, job: Callable[[], Result]) -> Result:
 def _title(elapsed: float, device: str = "cpu") -> str:
     precision = torch.get_float32_matmul_precision()
     extra = f"; float32 matmul precision {precision!r}" if precision != "highest" else ""
+    if os.environ.get("MALLOC_TRIM_THRESHOLD_"):
+        extra += "; freed heap kept (--keep-heap)"
     return f"opfuse bench ({machine(device)}; {elapsed / 60:.1f} min{extra})"
 
 
