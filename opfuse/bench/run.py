@@ -558,7 +558,7 @@ def _title(elapsed: float, device: str = "cpu") -> str:
     precision = torch.get_float32_matmul_precision()
     extra = f"; float32 matmul precision {precision!r}" if precision != "highest" else ""
     if os.environ.get("MALLOC_TRIM_THRESHOLD_"):
-        extra += "; freed heap kept (--keep-heap)"
+        extra += "; freed heap kept (MALLOC_TRIM_THRESHOLD_, as --keep-heap sets it)"
     return f"opfuse bench ({machine(device)}; {elapsed / 60:.1f} min{extra})"
 
 
