@@ -43,7 +43,7 @@ DROP_AFTER = 3
 SEQUENTIAL_BYTES = 32 << 20  # candidates are timed one after the other above this
 # Part of every decision's key: a change to how candidates are timed or run (the estimator,
 # an in-place variant) makes decisions remembered under the old rules stale.
-TUNER_VERSION = "8"
+TUNER_VERSION = "9"
 # Candidates that write the library's result to memory and read it back for the epilogue.
 # Timed alone, their intermediate stays in cache between the two kernels; inside a model it
 # evicts the data the next groups read, so they win only by a margin (ResNet-50 batch 8:
@@ -148,10 +148,22 @@ def subgraph(graph: Graph, members: Sequence[Node]) -> tuple[Graph, list[Node]]:
         for i in m.inputs():
             bring(i)
         b.copy(m)
-    outs = [
-        m for m in members if m in graph.output_set or any(u not in inside for u in graph.users[m])
-    ]
+    outs = [m for m in members if m in graph.output_set or _read_outside(graph, m, inside)]
     return b.build(outs), externals
+
+
+def _read_outside(graph: Graph, n: Node, inside: set[Node]) -> bool:
+    """Does anything outside the group read n, other than views the group itself reads
+    through? (The GEMM in linear -> view -> gelu: made an output of the subgraph, torch
+    computed it a second time and the blocked candidate timed twice its cost.)"""
+    for u in graph.users[n]:
+        if u in inside:
+            continue
+        if u in graph.output_set or info(u.op).kind != Kind.INJECTIVE or u.op == "getitem":
+            return True
+        if _read_outside(graph, u, inside):
+            return True
+    return False
 
 
 class Noise:

@@ -544,3 +544,34 @@ def test_gemm_tiles_fit_in_cache_keep_rows_tall_and_come_in_whole_rounds(
     assert tm >= min(m, 128)
     if m >= 128 * threads:
         assert count % threads == 0 or count > 4 * threads, (tm, tn, count)
+
+
+def test_the_tuner_times_a_blocked_gemm_behind_a_view_once(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Linear on a 3-D input: view -> addmm -> view -> gelu. The GEMM's only outside reader
+    # is the view the epilogue reads through; the tuner's subgraph made it an output, so
+    # torch computed the GEMM again after the blocked kernel and blocked timed 2x its cost.
+    from opfuse import pipeline
+    from opfuse.runtime import TorchStep
+
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
+    plans: list[list[str]] = []
+    real = pipeline._sub_runtime
+
+    def spy(graph: Any, part: Any, built: Any) -> Any:
+        rt = real(graph, part, built)
+        steps = getattr(getattr(rt, "plan", None), "steps", [])
+        plans.append([s.name for s in steps if isinstance(s, TorchStep)])
+        return rt
+
+    monkeypatch.setattr(pipeline, "_sub_runtime", spy)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 64), nn.GELU()).eval()
+    x = torch.randn(2, 24, 32)
+    fast = opfuse.compile(m, (x,))
+    (g,) = anchored(fast.report, "gemm_epilogue")
+    assert "blocked" in g.implementation, g.implementation  # it was a candidate
+    # the unfused candidates call addmm themselves; the blocked one must not call it at all
+    assert any("addmm" not in p for p in plans), plans
+    assert_matches_eager(m, fast(x), (x,))
