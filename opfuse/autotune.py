@@ -26,6 +26,7 @@ import torch
 from .fusion.groups import Group, Partition
 from .ir.graph import CONSTANT, INPUT, Graph, GraphBuilder, Node, TensorMeta
 from .ir.ops import Kind, info
+from .lower.lowering import used_outside
 
 REPS = 4  # samples per candidate, the first call's included (the fastest one counts)
 MIN_SECONDS = 0.02  # and at least this much time per candidate (short kernels are noisy)
@@ -148,22 +149,21 @@ def subgraph(graph: Graph, members: Sequence[Node]) -> tuple[Graph, list[Node]]:
         for i in m.inputs():
             bring(i)
         b.copy(m)
-    outs = [m for m in members if m in graph.output_set or _read_outside(graph, m, inside)]
+    # What the group's kernel stores, by the lowering's rule: a value read only through a
+    # view the group reads itself is no output (the GEMM in linear -> view -> gelu: made
+    # one, torch computed it a second time and the blocked candidate timed twice its
+    # cost). A tuple's components read outside make the tuple an output.
+    outs = [
+        m
+        for m in members
+        if (
+            any(u not in inside for u in graph.users[m])
+            if isinstance(m.meta, tuple)
+            else used_outside(graph, m, inside)
+        )
+        or m in graph.output_set
+    ]
     return b.build(outs), externals
-
-
-def _read_outside(graph: Graph, n: Node, inside: set[Node]) -> bool:
-    """Does anything outside the group read n, other than views the group itself reads
-    through? (The GEMM in linear -> view -> gelu: made an output of the subgraph, torch
-    computed it a second time and the blocked candidate timed twice its cost.)"""
-    for u in graph.users[n]:
-        if u in inside:
-            continue
-        if u in graph.output_set or info(u.op).kind != Kind.INJECTIVE or u.op == "getitem":
-            return True
-        if _read_outside(graph, u, inside):
-            return True
-    return False
 
 
 class Noise:

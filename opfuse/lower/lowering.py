@@ -80,6 +80,26 @@ def acc_dtype(combine: str, dtype: torch.dtype, terms: int) -> torch.dtype:
     return opmath(dtype)
 
 
+def used_outside(graph: Graph, n: Node, members: set[Node]) -> bool:
+    """Must a group of `members` store value n: is it a graph output, or read outside the
+    group other than through views the group reads itself? (A tuple's components are
+    asked one by one.)"""
+    if n in graph.output_set:
+        return True
+    for u in graph.users[n]:
+        if u in members:
+            continue
+        if info(u.op).kind == Kind.INJECTIVE and u.op != GETITEM:
+            # A view read inside the group is remapped; one read outside needs n stored.
+            if used_outside(graph, u, members):
+                return True
+            continue
+        if u.op == GETITEM and isinstance(n.meta, tuple):
+            continue
+        return True
+    return False
+
+
 class _Lowering:
     def __init__(
         self,
@@ -113,20 +133,7 @@ class _Lowering:
 
     # -- group structure --------------------------------------------------------------
     def _used_outside(self, n: Node) -> bool:
-        if n in self.g.output_set:
-            return True
-        for u in self.g.users[n]:
-            if u in self.members:
-                continue
-            if info(u.op).kind == Kind.INJECTIVE and u.op != GETITEM:
-                # A view read inside the group is remapped; one read outside needs n stored.
-                if self._used_outside(u):
-                    return True
-                continue
-            if u.op == GETITEM and isinstance(n.meta, tuple):
-                continue  # handled per component in outputs()
-            return True
-        return False
+        return used_outside(self.g, n, self.members)
 
     def outputs(self) -> list[Node]:
         outs: list[Node] = []
