@@ -177,15 +177,16 @@ class _Planner:
             self.read(i)
 
     def kernel_args(
-        self, k: Kernel, scratch: str | None = None
+        self, k: Kernel, scratch: tuple[str, int] | None = None
     ) -> tuple[list[KernelArg], list[Node]]:
+        """Arguments for k's buffers; `scratch` names the buffer the runtime provides as
+        scratch memory, and its size in bytes."""
         args: list[KernelArg] = []
         reads: list[Node] = []
         for b in k.buffers:
             node = self.by_name[b.value]
-            if b.role == "in" and b.name == scratch:
-                in_place = any(o.role == "out" and o.value == b.value for o in k.buffers)
-                args.append(Scratch(1 if in_place else _storage_bytes(node.tensor)))
+            if scratch is not None and b.role == "in" and b.name == scratch[0]:
+                args.append(Scratch(scratch[1]))
             elif b.role == "in":
                 self.need(node)
                 args.append(In(self.slot[node], node.tensor, node in self.torch_made))
@@ -230,7 +231,8 @@ def build_plan(graph: Graph, part: Partition, built: Mapping[int, Built]) -> Pla
                 p.need(bn)
                 args.append(In(p.slot[bn], bn.tensor, bn in p.torch_made))
                 reads.append(bn)
-            epi_args, epi_reads = p.kernel_args(k.epilogue, scratch=k.gemm_buffer)
+            scratch = (k.gemm_buffer, k.scratch_bytes)
+            epi_args, epi_reads = p.kernel_args(k.epilogue, scratch=scratch)
             args += epi_args
             args.append(Const(b.gemm_fn))
             p.kernel_step(k.name, b.fn, args, reads + epi_reads)

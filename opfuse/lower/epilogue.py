@@ -13,6 +13,7 @@ Which one runs is decided by timing them on the real shapes (autotune.py).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,6 +127,8 @@ class GemmKernel:
     gemm_buffer: str
     tile_m: int
     tile_n: int
+    # Tile slots in the scratch: one per thread that may run (the kernel runs on no more).
+    slots: int
     notes: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
@@ -137,6 +140,12 @@ class GemmKernel:
     @property
     def n_tiles(self) -> int:
         return -(-self.spec.m // self.tile_m) * -(-self.spec.n // self.tile_n)
+
+    @property
+    def scratch_bytes(self) -> int:
+        """The GEMM results' scratch: a tile_m x tile_n slot per thread (none when the
+        tiles are computed in the output)."""
+        return 4 if self.in_place else 4 * self.slots * self.tile_m * self.tile_n
 
 
 TILE_MAX_ELEMENTS = 1 << 19  # 2 MB of float32: a tile and its epilogue stay in L2
@@ -198,6 +207,10 @@ def lower_blocked(graph: Graph, anchor: Node, members: Sequence[Node], threads: 
     gemm_buf = low.in_buffers[anchor].name
     _check_tile_local(kernel, gemm_buf)
     tm, tn = tiles(spec, threads, epilogue=bool(epi))
+    n_tiles = spec.batch * -(-spec.m // tm) * -(-spec.n // tn)
+    # A slot for every thread this machine has, in case the caller raises the thread count
+    # after compiling; never more slots than tiles.
+    slots = min(n_tiles, max(threads, os.cpu_count() or 1))
     return GemmKernel(
         name=_name(anchor, epi),
         ops=(anchor.op, *(m.op for m in epi)),
@@ -206,6 +219,7 @@ def lower_blocked(graph: Graph, anchor: Node, members: Sequence[Node], threads: 
         gemm_buffer=gemm_buf,
         tile_m=tm,
         tile_n=tn,
+        slots=slots,
     )
 
 

@@ -162,12 +162,11 @@ def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> s
         "  const float *restrict B = (const float *)args[1];",
     ]
     out_of = {b.value: i for i, b in enumerate(epi.buffers) if b.role == "out"}
-    # Each thread computes its tiles into a slot of tile_m x tile_n at the start of the
-    # scratch (leading dimension tile_n) rather than at the tile's place in a full [m, n]
-    # scratch: rows n floats apart fell into the same L1 sets and a page each, and the
-    # kernel's speed varied 2x with where the scratch lay (ViT-B's MLP: 50-120 ms).
-    slots = (s.batch * s.m * s.n) // (k.tile_m * k.tile_n)
-    local = not k.in_place and slots >= 1
+    # Each thread computes its tiles into its own tile_m x tile_n slot of the scratch
+    # (leading dimension tile_n) rather than at the tile's place in a full [m, n] result:
+    # rows n floats apart fell into the same L1 sets and a page each, and the kernel's
+    # speed varied 2x with where the scratch lay (ViT-B's MLP: 50-120 ms).
+    local = not k.in_place
     g = k.gemm_buffer
     for i, b in enumerate(epi.buffers):
         t = STORAGE[b.dtype]
@@ -194,7 +193,7 @@ def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> s
     lines.append("  int err = 0;")
     if local:
         # no more threads than slots (the thread count may have grown since compiling)
-        lines.append(f"  if (nthreads > {slots}) nthreads = {slots};")
+        lines.append(f"  if (nthreads > {k.slots}) nthreads = {k.slots};")
     lines += [
         "  #pragma omp parallel for collapse(3) num_threads(nthreads) schedule(static)",
         f"  for (int64_t bb = 0; bb < {s.batch}; bb++)",
