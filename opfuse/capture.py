@@ -383,34 +383,33 @@ _PY_WHOLE = tuple(
 
 
 def _decompose_functional(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
-    """Decompose an exported graph that mutates nothing by retracing it once with make_fx
-    (fake tensors, same inputs and outputs, node metadata kept). None when the graph or its
+    """Decompose an exported graph that mutates nothing, op by op (decompose.retrace: fake
+    tensors, same inputs and outputs, node metadata kept). None when the graph or its
     decomposition mutates, or holds higher-order ops: those need `run_decompositions`,
-    which functionalizes and rewrites the signature, at four times the cost (BERT-base:
-    2.3 s vs 0.6 s)."""
+    which functionalizes and rewrites the signature, at four times the cost of a retrace
+    (BERT-base: 2.3 s vs 0.6 s) and 15 times that of this one."""
     if not _plain_functional(gm) or any(n.target in _RECURRENT for n in gm.graph.nodes):
         return None  # (make_fx decomposes every composite op; these must stay whole)
     from torch._dispatch.python import enable_python_dispatcher
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from .decompose import retrace
 
     vals = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
     if not all(isinstance(v, torch.Tensor) for v in vals):
         return None  # a scalar input: run_decompositions knows how it was specialised
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        fakes = [_static_empty(v) for v in vals]
 
-    def run(*a: Any) -> Any:
-        return torch.fx.Interpreter(gm).run(*a)
-
-    try:
+    @contextlib.contextmanager
+    def context() -> Iterator[None]:
         # The Python dispatcher routes eval BatchNorm to the op `fold_batchnorm` matches,
         # as run_decompositions does.
-        with torch.fx.traceback.preserve_node_meta(), enable_python_dispatcher(), keep_whole():
-            out = make_fx(run, decomposition_table=decompositions(), tracing_mode="fake")(*fakes)
+        with enable_python_dispatcher(), keep_whole():
+            yield
+
+    try:
+        out = retrace(gm, decompositions(), context)
     except Exception:
         return None
-    return out if _plain_functional(out) else None
+    return out if out is not None and _plain_functional(out) else None
 
 
 def _plain_functional(gm: torch.fx.GraphModule) -> bool:

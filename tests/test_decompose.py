@@ -1,0 +1,145 @@
+"""Capture's op-by-op decomposition (opfuse/decompose.py) against make_fx's whole-graph
+retrace: the same ops, the same results, and one trace per distinct op and layout."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import opfuse
+from opfuse import capture
+from opfuse.bench.models import build
+from tests.conftest import assert_matches_eager
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).reshape(b, s, 3, self.heads, -1).unbind(2)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        att = torch.softmax(q @ k.transpose(-1, -2) / 8.0, dim=-1)
+        x = x + self.drop(self.proj((att @ v).transpose(1, 2).reshape(b, s, d)))
+        return x + self.fc2(F.gelu(self.fc1(self.norm2(x))))
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int = 3) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.Sequential(*(Block() for _ in range(n)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks(x)
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.c1, self.b1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.c2, self.b2 = nn.Conv2d(8, 8, 3, padding=1, groups=2), nn.BatchNorm2d(8)
+        self.b1.running_var.uniform_(0.5, 2.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.max_pool2d(torch.relu(self.b1(self.c1(x))), 2)
+        y = F.silu(self.b2(self.c2(y))) + y
+        z = F.interpolate(y, scale_factor=2.0, mode="bilinear")
+        return F.adaptive_avg_pool2d(z, 1).flatten(1)
+
+
+def _exported(m: nn.Module, args: tuple[Any, ...]) -> torch.fx.GraphModule:
+    ep = torch.export.export(capture._Flat(m.eval(), []), args, {}, strict=False)
+    return ep.graph_module
+
+
+def _whole_retrace(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """The previous capture step: make_fx over the whole exported graph."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    vals = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fakes = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype) for v in vals]
+    with enable_python_dispatcher(), capture.keep_whole():
+        return make_fx(
+            torch.fx.Interpreter(gm).run,
+            decomposition_table=capture.decompositions(),
+            tracing_mode="fake",
+        )(*fakes)
+
+
+def _ops(gm: torch.fx.GraphModule) -> Counter[str]:
+    return Counter(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        lambda: (Stack(), (torch.randn(2, 8, 32),)),
+        lambda: (ConvNet(), (torch.randn(2, 3, 16, 16),)),
+        lambda: build("resnet50", 1),
+    ],
+    ids=["transformer", "convnet", "resnet50"],
+)
+def test_op_by_op_decomposition_equals_the_whole_graph_retrace(case: Any) -> None:
+    m, args = case()
+    gm = _exported(m, args)
+    ours = capture._decompose_functional(gm)
+    assert ours is not None
+    whole = _whole_retrace(gm)
+    assert _ops(ours) == _ops(whole)
+    # the exported graph takes parameters as inputs: run both on the same random values
+    # (positive: BatchNorm's variances)
+    inputs = [
+        torch.rand(n.meta["val"].shape, generator=torch.Generator().manual_seed(i)) + 0.5
+        if n.meta["val"].is_floating_point()
+        else torch.zeros(n.meta["val"].shape, dtype=n.meta["val"].dtype)
+        for i, n in enumerate(gm.graph.find_nodes(op="placeholder"))
+    ]
+    with torch.no_grad():
+        for a, b in zip(ours(*inputs), whole(*inputs), strict=True):
+            torch.testing.assert_close(a, b)
+
+
+def test_repeated_blocks_trace_each_op_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    from torch.fx.experimental import proxy_tensor
+
+    traces: list[int] = []
+    real = proxy_tensor.make_fx
+
+    def spy(*a: Any, **k: Any) -> Any:
+        traces.append(1)
+        return real(*a, **k)
+
+    monkeypatch.setattr(proxy_tensor, "make_fx", spy)
+    x = torch.randn(2, 8, 32)
+    one = capture._decompose_functional(_exported(Stack(1), (x,)))
+    once = len(traces)
+    traces.clear()
+    three = capture._decompose_functional(_exported(Stack(3), (x,)))
+    assert one is not None and three is not None
+    assert len(traces) == once, "blocks of the same shapes traced again"
+    assert len(three.graph.nodes) > 2 * len(one.graph.nodes)
+
+
+def test_compiled_blocks_match_eager() -> None:
+    m, x = Stack().eval(), torch.randn(2, 8, 32)
+    fast = opfuse.compile(m, (x,))
+    assert_matches_eager(m, fast(x), (x,))
+    c, y = ConvNet().eval(), torch.randn(2, 3, 16, 16)
+    fast = opfuse.compile(c, (y,))
+    assert_matches_eager(c, fast(y), (y,))
