@@ -116,23 +116,21 @@ def test_op_by_op_decomposition_equals_the_whole_graph_retrace(case: Any) -> Non
 
 
 def test_repeated_blocks_trace_each_op_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    from torch.fx.experimental import proxy_tensor
+    from opfuse import decompose
 
-    traces: list[int] = []
-    real = proxy_tensor.make_fx
+    traced: list[int] = []
+    real = decompose._trace
 
-    def spy(*a: Any, **k: Any) -> Any:
-        traces.append(1)
-        return real(*a, **k)
+    def spy(ops: list[Any], *a: Any) -> bool:
+        traced.append(len(ops))
+        return real(ops, *a)
 
-    monkeypatch.setattr(proxy_tensor, "make_fx", spy)
+    monkeypatch.setattr(decompose, "_trace", spy)
     x = torch.randn(2, 8, 32)
     one = capture._decompose_functional(_exported(Stack(1), (x,)))
-    once = len(traces)
-    traces.clear()
     three = capture._decompose_functional(_exported(Stack(3), (x,)))
     assert one is not None and three is not None
-    assert len(traces) == once, "blocks of the same shapes traced again"
+    assert len(traced) == 2 and traced[0] == traced[1], "blocks of the same shapes traced again"
     assert len(three.graph.nodes) > 2 * len(one.graph.nodes)
 
 
