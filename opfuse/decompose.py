@@ -44,7 +44,7 @@ def retrace(
     decomposition, traced with make_fx under `context()`. None when a decomposition needs
     what a splice cannot carry (a constant attribute, a submodule)."""
     ops: dict[Any, _Op] = {}
-    key_of: dict[torch.fx.Node, Any] = {}
+    calls: dict[torch.fx.Node, tuple[_Op, list[Any]]] = {}  # node -> its op, its arguments
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target is operator.getitem:
             continue
@@ -54,9 +54,8 @@ def retrace(
         at = [i for i, a in enumerate(flat) if isinstance(a, torch.fx.Node)]
         if not all(isinstance(flat[i].meta.get("val"), torch.Tensor) for i in at):
             return None
-        key = (n.target, tuple(_layout(a) if i in at else _plain(a) for i, a in enumerate(flat)))
-        ops.setdefault(key, _Op(n.target, flat, spec, at))
-        key_of[n] = key
+        key = (n.target, tuple(_key(a) for a in flat))
+        calls[n] = (ops.setdefault(key, _Op(n.target, flat, spec, at)), flat)
     if ops and not _trace(list(ops.values()), table, context):
         return None
 
@@ -68,11 +67,10 @@ def retrace(
             if isinstance(src, (tuple, list)):  # an element of a decomposed op's result
                 env[n] = src[n.args[1]]
                 continue
-        if n not in key_of:
+        if n not in calls:
             env[n] = graph.node_copy(n, lambda x: env[x])
             continue
-        flat = pytree.tree_leaves((n.args, n.kwargs))
-        op = ops[key_of[n]]
+        op, flat = calls[n]
         env[n] = _splice(graph, op, [env[flat[i]] for i in op.at], n.meta)
     return torch.fx.GraphModule(gm, graph)
 
@@ -134,13 +132,12 @@ def _decomposes(target: Any, table: Mapping[Any, Any]) -> bool:
     )
 
 
-def _layout(n: torch.fx.Node) -> tuple[Any, ...]:
-    t = n.meta["val"]
-    return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, str(t.device))
-
-
-def _plain(v: Any) -> Any:
-    return (type(v).__name__, repr(v))
+def _key(a: Any) -> tuple[Any, ...]:
+    """An argument as the trace depends on it: a tensor's layout, any other value itself."""
+    if isinstance(a, torch.fx.Node):
+        t = a.meta["val"]
+        return (tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, str(t.device))
+    return (type(a).__name__, repr(a))
 
 
 def _empty_like(t: torch.Tensor) -> torch.Tensor:

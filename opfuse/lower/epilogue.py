@@ -127,8 +127,7 @@ class GemmKernel:
     gemm_buffer: str
     tile_m: int
     tile_n: int
-    # Tile slots in the scratch: one per thread that may run (the kernel runs on no more).
-    slots: int
+    threads: int  # the thread count it was compiled for
     notes: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
@@ -139,7 +138,14 @@ class GemmKernel:
 
     @property
     def n_tiles(self) -> int:
-        return -(-self.spec.m // self.tile_m) * -(-self.spec.n // self.tile_n)
+        return self.spec.batch * -(-self.spec.m // self.tile_m) * -(-self.spec.n // self.tile_n)
+
+    @property
+    def slots(self) -> int:
+        """Tile slots in the scratch, one per thread that may run (the kernel runs on no
+        more): a slot for every thread this machine has, in case the caller raises the
+        thread count after compiling, and never more slots than tiles."""
+        return min(self.n_tiles, max(self.threads, os.cpu_count() or 1))
 
     @property
     def scratch_bytes(self) -> int:
@@ -207,10 +213,6 @@ def lower_blocked(graph: Graph, anchor: Node, members: Sequence[Node], threads: 
     gemm_buf = low.in_buffers[anchor].name
     _check_tile_local(kernel, gemm_buf)
     tm, tn = tiles(spec, threads, epilogue=bool(epi))
-    n_tiles = spec.batch * -(-spec.m // tm) * -(-spec.n // tn)
-    # A slot for every thread this machine has, in case the caller raises the thread count
-    # after compiling; never more slots than tiles.
-    slots = min(n_tiles, max(threads, os.cpu_count() or 1))
     return GemmKernel(
         name=_name(anchor, epi),
         ops=(anchor.op, *(m.op for m in epi)),
@@ -219,7 +221,7 @@ def lower_blocked(graph: Graph, anchor: Node, members: Sequence[Node], threads: 
         gemm_buffer=gemm_buf,
         tile_m=tm,
         tile_n=tn,
-        slots=slots,
+        threads=threads,
     )
 
 
