@@ -34,17 +34,22 @@ MAX_REPS = 200
 # Long candidates (an LM head's GEMM, 300 ms a call) are not sampled REPS times: past
 # BUDGET seconds of samples for a group, MIN_SAMPLES each are enough; and a candidate
 # whose best sample is SLOWER times the leader's is no contender.
-BUDGET = 0.3
+BUDGET = 0.2
 MIN_SAMPLES = 2
 SLOWER = 1.12
 # A loser is dropped only after this many samples: a library call that allocates its own
 # output faults fresh heap pages in on its first calls (oneDNN bfloat16 linear
 # 1024x768x3072: ~1600 faults on each of calls 1-3, 11.7 / 6.3 / 5.9 ms, then 3.4 ms).
 DROP_AFTER = 3
+# Sampling also stops, after SETTLE_AFTER samples, once the choice would stand with the
+# chosen candidate SLACK slower (ResNet-50 batch 8: most groups' choice is clear on three
+# samples; a fourth of the tuning time saved, and the close calls still get all REPS).
+SETTLE_AFTER = 3
+SLACK = 0.05
 SEQUENTIAL_BYTES = 32 << 20  # candidates are timed one after the other above this
 # Part of every decision's key: a change to how candidates are timed or run (the estimator,
 # an in-place variant) makes decisions remembered under the old rules stale.
-TUNER_VERSION = "9"
+TUNER_VERSION = "10"
 # Candidates that write the library's result to memory and read it back for the epilogue.
 # Timed alone, their intermediate stays in cache between the two kernels; inside a model it
 # evicts the data the next groups read, so they win only by a margin (ResNet-50 batch 8:
@@ -191,11 +196,22 @@ class Noise:
         return vals.clone().as_strided(m.shape, m.stride)
 
 
+def settled(seconds: Mapping[str, float], flattered: frozenset[str] = MATERIALISING) -> bool:
+    """Would `pick` choose the same with its choice SLACK slower than measured? (Noise
+    only adds time: the others may yet get faster, which is the same.)"""
+    if len(seconds) < 2:
+        return True  # nothing to decide between
+    choice = pick(seconds, flattered)
+    slower = {k: v * (1 + SLACK) if k == choice else v for k, v in seconds.items()}
+    return pick(slower, flattered) == choice
+
+
 def time_candidates(
     candidates: Mapping[str, Callable[[], Any]],
     reps: int = REPS,
     beat: float | None = None,
     budget: float = BUDGET,
+    done: Callable[[Mapping[str, float]], bool] | None = None,
 ) -> dict[str, float]:
     """Seconds per candidate: its fastest sample, interleaved (drift hits all alike); a
     candidate that raises is dropped. The fastest, not the median: the noise here only adds
@@ -204,7 +220,9 @@ def time_candidates(
     page: 8 ms on a 25 MB output). Sampling stops at `reps`
     samples (and MIN_SECONDS each), or at MIN_SAMPLES once `budget` seconds are spent; a
     candidate whose fastest sample (of DROP_AFTER or more) is SLOWER times the leader's (or
-    `beat`, the best time of candidates timed earlier) stops being sampled."""
+    `beat`, the best time of candidates timed earlier) stops being sampled. `done` (say,
+    `settled`) ends sampling from SETTLE_AFTER samples on when it holds for the fastest
+    samples so far."""
     alive = dict(candidates)
     samples: dict[str, list[float]] = {k: [] for k in alive}
     with torch.no_grad():
@@ -231,19 +249,29 @@ def time_candidates(
                 _drop_losers(alive, samples, beat)
             if n >= reps and all(sum(samples[k]) >= MIN_SECONDS for k in alive):
                 break
+            if done is not None and n >= SETTLE_AFTER and done(_fastest(samples)):
+                break
             if n >= MIN_SAMPLES and spent >= budget:
                 break
+    return _fastest(samples)
+
+
+def _fastest(samples: Mapping[str, list[float]]) -> dict[str, float]:
     return {k: min(v) for k, v in samples.items() if v}
 
 
 def time_one_at_a_time(
-    names: Sequence[str], runner: Callable[[str], Callable[[], Any]], budget: float = BUDGET
+    names: Sequence[str],
+    runner: Callable[[str], Callable[[], Any]],
+    budget: float = BUDGET,
+    done: Callable[[Mapping[str, float]], bool] | None = None,
 ) -> dict[str, float]:
     """Seconds per candidate when only one may be alive at a time (`runner(name)` makes
     it; it is dropped before the next is made). Two rounds, the second in reverse order,
     each candidate's fastest sample of both counting: a burst of load during one
     candidate's turn no longer decides alone (a cached decision read "oneDNN 14.2 ms,
-    unfused 6.7 ms" for a group that runs in 2.5 ms fused, 4.1 ms unfused)."""
+    unfused 6.7 ms" for a group that runs in 2.5 ms fused, 4.1 ms unfused). In the second
+    round `done` sees every candidate's fastest sample so far."""
     seconds: dict[str, float] = {}
     share = budget / (2 * len(names))  # the budget, over both rounds
     for second in (False, True):
@@ -252,11 +280,26 @@ def time_one_at_a_time(
         for name in turn:
             run = runner(name)
             beat = min(seconds.values(), default=None)
-            got = time_candidates({name: run}, beat=beat, budget=share)
+            check = None
+            if second and done is not None:
+                check = functools.partial(_done_with, done, seconds, name)
+            got = time_candidates({name: run}, beat=beat, budget=share, done=check)
             del run
             if name in got:
                 seconds[name] = min(got[name], seconds.get(name, got[name]))
     return seconds
+
+
+def _done_with(
+    done: Callable[[Mapping[str, float]], bool],
+    earlier: Mapping[str, float],
+    name: str,
+    now: Mapping[str, float],
+) -> bool:
+    merged = dict(earlier)
+    if name in now:
+        merged[name] = min(now[name], merged.get(name, now[name]))
+    return done(merged)
 
 
 def _drop_losers(
@@ -351,12 +394,15 @@ def choose(
     working_set = sum(t.numel() * t.element_size() for t in inputs) + sum(
         o.tensor.nbytes for o in sub.output_set
     )
+    a = group.anchor
+    flattered = penalised(a.op if a else None, a.tensor.nbytes if a else 0)
+    done = functools.partial(settled, flattered=flattered)
     if working_set <= SEQUENTIAL_BYTES:
         runners = {}
         for name, built in candidates.items():
             run = run_plan(sub, part, {0: built} if built is not None else {})
             runners[name] = functools.partial(run, inputs)
-        seconds = time_candidates(runners)
+        seconds = time_candidates(runners, done=done)
     else:
         # Big tensors: one candidate (and its memory pool) alive at a time, so compiling
         # never holds several copies of a large intermediate.
@@ -365,14 +411,11 @@ def choose(
             run = run_plan(sub, part, {0: built} if built is not None else {})
             return functools.partial(run, args)
 
-        seconds = time_one_at_a_time(list(candidates), runner)
+        seconds = time_one_at_a_time(list(candidates), runner, done=done)
         del runner
     del inputs
     if not seconds:
         return Decision(next(iter(candidates)), {})
-    a = group.anchor
-    decision = Decision(
-        pick(seconds, penalised(a.op if a else None, a.tensor.nbytes if a else 0)), seconds
-    )
+    decision = Decision(pick(seconds, flattered), seconds)
     save_decision(key, decision)
     return decision

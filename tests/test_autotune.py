@@ -51,6 +51,33 @@ def test_clear_loser_stops_being_sampled(clock: Clock) -> None:
     assert clock.calls["fast"] == autotune.REPS
 
 
+def test_a_settled_choice_stops_sampling_early(clock: Clock) -> None:
+    # 8% apart: "a" would still win 5% slower, so three samples each decide
+    got = autotune.time_candidates(
+        {"a": clock.candidate("a", 0.010), "b": clock.candidate("b", 0.0108)},
+        done=autotune.settled,
+    )
+    assert autotune.pick(got) == "a"
+    assert clock.calls == {"a": autotune.SETTLE_AFTER, "b": autotune.SETTLE_AFTER}
+    assert autotune.SETTLE_AFTER < autotune.REPS
+
+
+def test_a_choice_near_a_margin_is_not_settled(clock: Clock) -> None:
+    # onednn is kept within 10% of the unfused call: 5% apart, a little noise could flip it
+    assert not autotune.settled({"unfused": 0.0100, "onednn": 0.0105})
+    assert autotune.settled({"unfused": 0.0100, "onednn": 0.0090})
+    assert autotune.settled({"unfused": 0.0100, "onednn": 0.0120})  # unfused, clearly
+    assert autotune.settled({"only": 0.01})
+    autotune.time_candidates(
+        {
+            "unfused": clock.candidate("unfused", 0.0100),
+            "onednn": clock.candidate("onednn", 0.0105),
+        },
+        done=autotune.settled,
+    )
+    assert clock.calls == {"unfused": autotune.REPS, "onednn": autotune.REPS}
+
+
 def test_long_candidates_stop_at_the_budget(clock: Clock) -> None:
     got = autotune.time_candidates(
         {"a": clock.candidate("a", 0.30), "b": clock.candidate("b", 0.31)}

@@ -422,3 +422,20 @@ def test_fresh_process_compile_table() -> None:
     text = markdown([r], "t")
     assert "| cold compile: fresh process" in text
     assert "| bert | 20.0 | 24.0 | 5.0 | 0.25 |" in text
+
+
+def test_kernels_build_as_parallel_units_into_one_library(
+    fresh_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(build, "MIN_UNIT_CHARS", 1)
+    monkeypatch.setattr(build, "_cores", lambda: 2)
+    header = "static int shared(int n) { return n + 1; }\n"
+    pieces = [f"int k{i}(void *a, int n) {{ (void)a; return shared(n) * {i}; }}" for i in range(5)]
+    assert [len(u) for u in build._split(pieces, 2)] == [3, 2]
+    lib = build.build(pieces, header)
+    assert [lib.fn(f"k{i}")(None, 2) for i in range(5)] == [0, 3, 6, 9, 12]
+    assert not lib.cached and build.build(pieces, header).cached
+    assert not list(fresh_cache.glob("tmp*"))  # units and objects removed
+    with pytest.raises(build.BuildError, match="failed"):
+        build.build([*pieces[:2], "int broken(void *a, int n) { return }"], header)
+    assert not list(fresh_cache.glob("tmp*"))

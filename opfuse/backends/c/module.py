@@ -1,4 +1,4 @@
-"""All candidate kernels of a graph -> one translation unit -> one loaded library, and the
+"""All candidate kernels of a graph -> translation units -> one loaded library, and the
 runnable objects (plan.Built*) for every candidate, oneDNN calls included."""
 
 from __future__ import annotations
@@ -75,10 +75,9 @@ def build_module(graph: Graph, lowered: Lowered) -> Module:
     first: dict[str, str] = {}  # canonical text -> the name that defines it
     alias = {name: first.setdefault(text, name) for name, text in canonical.items()}
     names = {key: alias[n] for key, n in names.items()}
-    source = "\n".join(rendered[n] for n in first.values())
-    if gemms:
-        source = GEMM_TYPES + source
-    mod = Module(source)
+    pieces = [rendered[n] for n in first.values()]
+    header = GEMM_TYPES if gemms else ""
+    mod = Module(header + "\n".join(pieces))
     for gid, cands in lowered.candidates.items():
         sig = []
         for cname, c in sorted(cands.items()):
@@ -89,7 +88,7 @@ def build_module(graph: Graph, lowered: Lowered) -> Module:
     lib = None
     if kernels or gemms:
         try:
-            lib = build(source)
+            lib = build(pieces, header)
             mod.cached = lib.cached
         except BuildError as e:
             mod.problem = f"opfuse: kernels could not be built, running those ops with torch ({e})"
