@@ -267,16 +267,20 @@ def time_one_at_a_time(
     done: Callable[[Mapping[str, float]], bool] | None = None,
 ) -> dict[str, float]:
     """Seconds per candidate when only one may be alive at a time (`runner(name)` makes
-    it; it is dropped before the next is made). Two rounds, the second in reverse order,
-    each candidate's fastest sample of both counting: a burst of load during one
-    candidate's turn no longer decides alone (a cached decision read "oneDNN 14.2 ms,
-    unfused 6.7 ms" for a group that runs in 2.5 ms fused, 4.1 ms unfused). In the second
-    round `done` sees every candidate's fastest sample so far."""
+    it; it is dropped before the next is made). Two rounds, the second in reverse order
+    over the first round's losers, each candidate's fastest sample of both counting: a
+    burst of load during one candidate's turn no longer decides alone (a cached decision
+    read "oneDNN 14.2 ms, unfused 6.7 ms" for a group that runs in 2.5 ms fused, 4.1 ms
+    unfused). In the second round `done` sees every candidate's fastest sample so far."""
     seconds: dict[str, float] = {}
     share = budget / (2 * len(names))  # the budget, over both rounds
     for second in (False, True):
-        # the second round re-times every candidate that ran
-        turn = [n for n in reversed(names) if n in seconds] if second else list(names)
+        turn = list(names)
+        if second:
+            # Noise only adds time: a burst can make the fastest candidate look slow, never
+            # a slow one fast. The second round re-times the ones that lost the first.
+            lead = min(seconds, key=seconds.__getitem__, default=None)
+            turn = [n for n in reversed(names) if n in seconds and n != lead]
         for name in turn:
             run = runner(name)
             beat = min(seconds.values(), default=None)
