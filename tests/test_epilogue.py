@@ -563,6 +563,10 @@ def test_blocked_gemm_scratch_holds_a_tile_per_thread_not_the_whole_result() -> 
     (scratch,) = [a for a in step.args if isinstance(a, Scratch)]
     threads = max(torch.get_num_threads(), os.cpu_count() or 1)
     assert scratch.nbytes <= 4 * threads * (1 << 19) < 4 * 1024 * 2048, scratch.nbytes
+    # the epilogue reads the slot relative to the tile's origin (no pointer to the place
+    # the element would have in a full result, which lies outside the scratch)
+    src = fast._first.compiled.source
+    assert "const float *restrict in0 = tile;" in src and "-1*n0]" in src, src
     # more threads than slots at run time: the kernel runs on no more than it has
     old = torch.get_num_threads()
     torch.set_num_threads(old * 4)

@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
 from ..ir.graph import CONSTANT, GETITEM, Graph, Node, TensorMeta, bind
-from ..ir.index import Ix, address
+from ..ir.index import Ix, Var, address
 from ..ir.ops import VIEW_OPS, Kind, info
-from ..ir.scalar import walk
-from .kernel import Kernel
+from ..ir.scalar import Expr, walk
+from .kernel import Kernel, rewrite
 from .lowering import NotFusable, _Lowering, lower_group, lower_on_domain
 
 GEMMS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
@@ -213,7 +213,7 @@ def lower_blocked(graph: Graph, anchor: Node, members: Sequence[Node], threads: 
     gemm_buf = low.in_buffers[anchor].name
     _check_tile_local(kernel, gemm_buf)
     tm, tn = tiles(spec, threads, epilogue=bool(epi))
-    return GemmKernel(
+    k = GemmKernel(
         name=_name(anchor, epi),
         ops=(anchor.op, *(m.op for m in epi)),
         spec=spec,
@@ -223,6 +223,38 @@ def lower_blocked(graph: Graph, anchor: Node, members: Sequence[Node], threads: 
         tile_n=tn,
         threads=threads,
     )
+    if k.in_place:
+        return k
+    return replace(k, epilogue=_read_tile_slot(kernel, gemm_buf, tn))
+
+
+# The origin of the tile being computed: C variables the renderer defines.
+TILE_ROW, TILE_COL = "m0", "n0"
+
+
+def _read_tile_slot(kernel: Kernel, gemm_buf: str, tile_n: int) -> Kernel:
+    """The epilogue reading the GEMM results from the thread's tile slot (leading
+    dimension tile_n) instead of from their place in an [m, n] result: at
+    (row - m0) * tile_n + (col - n0)."""
+    *_, row, col = (*kernel.outer, *kernel.inner)
+    at = (Ix.var(row) - Ix.var(Var(TILE_ROW, row.extent))) * tile_n + (
+        Ix.var(col) - Ix.var(Var(TILE_COL, col.extent))
+    )
+    memo: dict[Expr, Expr] = {}
+
+    def expr(e: Expr) -> Expr:
+        hit = memo.get(e)
+        if hit is None:
+            if e.op == "load" and e.value[0] == gemm_buf:
+                hit = Expr("load", (), e.dtype, (gemm_buf, at))
+            elif e.args:
+                hit = Expr(e.op, tuple(expr(a) for a in e.args), e.dtype, e.value)
+            else:
+                hit = e
+            memo[e] = hit
+        return hit
+
+    return rewrite(kernel, expr, lambda ix: ix)
 
 
 def _check_tile_local(kernel: Kernel, gemm_buf: str) -> None:

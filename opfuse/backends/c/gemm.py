@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ...lower.epilogue import GemmKernel
+from ...lower.epilogue import TILE_COL, TILE_ROW, GemmKernel
 from .emit import STORAGE, Emitter, emit_stores
 
 ROW_MAJOR, NO_TRANS, TRANS, PACKED, B_MATRIX = 101, 111, 112, 151, 162
@@ -199,9 +199,9 @@ def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> s
         f"  for (int64_t bb = 0; bb < {s.batch}; bb++)",
         f"  for (int64_t tm = 0; tm < {tiles_m}; tm++)",
         f"  for (int64_t tn = 0; tn < {tiles_n}; tn++) {{",
-        f"    const int m0 = (int)(tm * {k.tile_m}), n0 = (int)(tn * {k.tile_n});",
-        f"    const int mm = {s.m} - m0 < {k.tile_m} ? {s.m} - m0 : {k.tile_m};",
-        f"    const int nn = {s.n} - n0 < {k.tile_n} ? {s.n} - n0 : {k.tile_n};",
+        f"    const int64_t {TILE_ROW} = tm * {k.tile_m}, {TILE_COL} = tn * {k.tile_n};",
+        f"    const int mm = (int)({s.m} - m0 < {k.tile_m} ? {s.m} - m0 : {k.tile_m});",
+        f"    const int nn = (int)({s.n} - n0 < {k.tile_n} ? {s.n} - n0 : {k.tile_n});",
     ]
     ldc = k.tile_n if local else s.n
     if local:
@@ -232,11 +232,8 @@ def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> s
         lines.append(f"    const int64_t {bvar} = bb;")
     lines.append(f"    for (int64_t {mvar} = m0; {mvar} < m0 + mm; {mvar}++) {{")
     if local:
-        # The epilogue reads the GEMM result at its own element, {g}[address of (row, col)]
-        # (lower/epilogue._check_tile_local): a row pointer shadowing {g} maps that address
-        # into the tile's slot.
-        base = f"bb * {s.m * s.n} + {mvar} * {s.n} + n0"
-        lines.append(f"      float *restrict {g} = tile + ({mvar} - m0) * {k.tile_n} - ({base});")
+        # the epilogue reads the slot at (row - m0) * tile_n + (col - n0) (lower_blocked)
+        lines.append(f"      const float *restrict {g} = tile;")
     lines.append("      #pragma omp simd")
     lines.append(f"      for (int64_t {nvar} = n0; {nvar} < n0 + nn; {nvar}++) {{")
     em.scopes.append({})
