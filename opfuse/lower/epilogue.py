@@ -22,10 +22,10 @@ import torch
 
 from ..ir.graph import CONSTANT, GETITEM, Graph, Node, TensorMeta, bind
 from ..ir.index import Ix, Var, address
-from ..ir.ops import VIEW_OPS, Kind, info
+from ..ir.ops import VIEW_OPS, info
 from ..ir.scalar import Expr, walk
 from .kernel import Kernel, rewrite
-from .lowering import NotFusable, _Lowering, lower_group, lower_on_domain
+from .lowering import NotFusable, _Lowering, lower_group, lower_on_domain, used_outside
 
 GEMMS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
 CONV = "aten.convolution.default"
@@ -419,25 +419,9 @@ def match_onednn(graph: Graph, anchor: Node, members: Sequence[Node]) -> OneDnnP
 
 
 def epilogue_outputs(graph: Graph, members: Sequence[Node]) -> list[Node]:
-    """Values of the group read outside it."""
+    """Values of the group read outside it (by the lowering's rule: what it must store)."""
     inside = set(members)
-    out = []
-    for m in members:
-        if m in graph.output_set or any(u not in inside for u in _users_through_views(graph, m)):
-            out.append(m)
-    return out
-
-
-def _users_through_views(graph: Graph, n: Node) -> list[Node]:
-    out: list[Node] = []
-    for u in graph.users[n]:
-        if info(u.op).kind == Kind.INJECTIVE and u.op != GETITEM:
-            out.extend(_users_through_views(graph, u))
-            if u in graph.output_set:
-                out.append(u)
-        else:
-            out.append(u)
-    return out
+    return [m for m in members if used_outside(graph, m, inside)]
 
 
 def check_epilogue(graph: Graph, anchor: Node, members: Sequence[Node]) -> None:
