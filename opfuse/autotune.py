@@ -221,8 +221,8 @@ def time_candidates(
     samples (and MIN_SECONDS each), or at MIN_SAMPLES once `budget` seconds are spent; a
     candidate whose fastest sample (of DROP_AFTER or more) is SLOWER times the leader's (or
     `beat`, the best time of candidates timed earlier) stops being sampled. `done` (say,
-    `settled`) ends sampling from SETTLE_AFTER samples on when it holds for the fastest
-    samples so far."""
+    `settled`) ends sampling from SETTLE_AFTER samples (and MIN_SECONDS) on when it holds
+    for the fastest samples so far."""
     alive = dict(candidates)
     samples: dict[str, list[float]] = {k: [] for k in alive}
     with torch.no_grad():
@@ -247,9 +247,9 @@ def time_candidates(
             n += 1
             if n >= DROP_AFTER:
                 _drop_losers(alive, samples, beat)
-            if n >= reps and all(sum(samples[k]) >= MIN_SECONDS for k in alive):
-                break
-            if done is not None and n >= SETTLE_AFTER and done(_fastest(samples)):
+            if all(sum(samples[k]) >= MIN_SECONDS for k in alive) and (
+                n >= reps or (done is not None and n >= SETTLE_AFTER and done(_fastest(samples)))
+            ):
                 break
             if n >= MIN_SAMPLES and spent >= budget:
                 break
