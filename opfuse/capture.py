@@ -1,4 +1,5 @@
-"""Model -> opfuse Graph of ATen ops. The only module that touches torch.export and torch.fx.
+"""Model -> opfuse Graph of ATen ops. With decompose.py (the decomposition table and the
+op-by-op retrace), the only modules that touch torch.export and torch.fx.
 
 Two doors lead in:
 - `capture_module` (opfuse.compile, eval mode): torch.export traces the model to core
@@ -14,13 +15,11 @@ kept whole so that `rewrite.fold_batchnorm` can fold it into the conv before it.
 from __future__ import annotations
 
 import contextlib
-import contextvars
-import functools
 import operator
 import os
 import re
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +29,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 
 from . import structure
+from .decompose import CALLER_ONEDNN, RECURRENT, decompositions, keep_whole
 from .ir.graph import GETITEM, INPUT, Graph, GraphBuilder, Source, TensorMeta
 
 aten = torch.ops.aten
@@ -37,196 +37,6 @@ aten = torch.ops.aten
 
 class CaptureError(RuntimeError):
     """The model could not be traced to a static ATen graph."""
-
-
-# Upsampling runs torch's kernel (nearest by powers of two: an index map kernels read
-# through); every mode's decomposition gathers with index tensors.
-_UPSAMPLE = (
-    "upsample_nearest1d",
-    "upsample_nearest2d",
-    "upsample_nearest3d",
-    "_upsample_nearest_exact1d",
-    "_upsample_nearest_exact2d",
-    "_upsample_nearest_exact3d",
-    "upsample_linear1d",
-    "upsample_bilinear2d",
-    "upsample_trilinear3d",
-    "upsample_bicubic2d",
-)
-
-_KEEP_WHOLE = (
-    aten.roll.default,  # an index map kernels read through (decomposed: two index_selects)
-    *(getattr(aten, name).default for name in _UPSAMPLE),  # see keep_whole
-    # Their decompositions gather with index tensors, run op by op with torch: reflect and
-    # replicate padding 20-30x slower than torch's kernels, unfold/fold 3-4x.
-    *(
-        getattr(aten, f"{mode}_pad{d}d{suffix}").default
-        for mode in ("reflection", "replication")
-        for d in (1, 2, 3)
-        for suffix in ("", "_backward")
-    ),
-    aten.im2col.default,
-    aten.col2im.default,
-    # Pointwise backward ops stay whole: the op table has their formulas, so keeping them
-    # makes smaller graphs than their decompositions.
-    aten.threshold_backward.default,
-    aten.sigmoid_backward.default,
-    aten.tanh_backward.default,
-    aten.gelu_backward.default,
-    aten.silu_backward.default,
-    aten.hardswish_backward.default,
-    aten.hardsigmoid_backward.default,
-    aten.leaky_relu_backward.default,
-    aten.hardtanh_backward.default,
-    aten.elu_backward.default,
-    aten.softplus_backward.default,
-    aten.silu.default,
-    aten.hardswish.default,
-    aten.hardsigmoid.default,
-)
-
-# A GRU / Elman RNN unrolls into a dozen ops per time step, layer and direction (measured:
-# a 2-layer bidirectional GRU over 50 steps, 816 ops, 3.2x slower than eager's one call,
-# 20 s to compile); whole, it runs torch's own loop. (LSTM's decomposition calls oneDNN's
-# fused layer, so it stays.)
-_RECURRENT = (
-    aten.gru.input,
-    aten.gru.data,
-    aten.rnn_tanh.input,
-    aten.rnn_tanh.data,
-    aten.rnn_relu.input,
-    aten.rnn_relu.data,
-)
-
-_DECOMPOSE = (
-    aten.native_layer_norm,
-    aten._softmax,
-    aten._log_softmax,
-    aten.native_group_norm,
-    aten._native_batch_norm_legit,
-    aten._native_batch_norm_legit_functional,
-    aten.native_batch_norm,
-    aten.linalg_vector_norm,
-    aten.std,
-    aten.std_mean,
-    aten.logsumexp,
-    aten.native_dropout,
-)
-
-
-@functools.lru_cache(maxsize=2)
-def decompositions() -> dict[Any, Callable[..., Any]]:
-    """The decomposition table of both capture paths (export's retrace, AOTAutograd's joint
-    forward/backward trace)."""
-    from torch._decomp import core_aten_decompositions, get_decompositions
-
-    table = dict(core_aten_decompositions())
-    table.update(get_decompositions(list(_DECOMPOSE)))
-    for op in _KEEP_WHOLE:
-        table.pop(op, None)
-    # BatchNorm without running statistics stays whole so that the BatchNorm pass can say
-    # why it is not folded; it lowers it itself (rewrite/batchnorm.py).
-    table.pop(aten._native_batch_norm_legit.no_stats, None)
-    for op in _RECURRENT:
-        table.pop(op, None)
-    # The user's scaled_dot_product_attention runs torch's flash kernel. Decomposed, it ran
-    # 0.73-0.91x eager for sequences of 32-512 (8 x 12 heads x 64), inference. In training
-    # the decomposition is also wrong: it returns the attention probabilities where the op
-    # returns its log-sum-exp, and the flash backward AOTAutograd pairs with the op reads
-    # that slot as log-sum-exp (q/k/v gradients off by up to 150). Inductor excludes it too.
-    table.pop(aten._scaled_dot_product_flash_attention_for_cpu.default, None)
-    table[aten._pad_circular.default] = _pad_circular
-    table[aten.native_group_norm.default] = _group_norm
-    for op in (aten.lstm.input, aten.lstm.data):
-        if op in table:
-            table[op] = functools.partial(_lstm, table[op])
-    return table
-
-
-def _group_norm(
-    input: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    n: int,
-    c: int,
-    hw: int,
-    groups: int,
-    eps: float,
-) -> Any:
-    """GroupNorm with its statistics taken per channel, then combined per group.
-
-    torch's decomposition reduces a [N, G, C/G * H*W] view: on a channels-last image (the
-    layout frozen conv graphs run in) each group's elements lie C apart and the reduction
-    gathers them one by one (GroupNorm + SiLU 0.26x eager). Per-channel statistics are a
-    reduction over the spatial dimensions in either layout (rows in NCHW, columns in NHWC);
-    the group's mean is the mean of its channels' means and its variance the mean of
-    var_c + (mean_c - mean)^2 (every channel counts H*W elements). The output is
-    x * w + b with per-channel w = rstd * weight and b = bias - mean * w, as torch's CPU
-    kernel computes it."""
-    if input.dim() < 3 or c % groups or input.numel() == 0:
-        return NotImplemented
-    from torch._prims_common import get_computation_dtype
-
-    x = input.to(get_computation_dtype(input.dtype))
-    cg = c // groups
-    var_c, mean_c = torch.var_mean(x, dim=list(range(2, x.dim())), correction=0)
-    if cg == 1:  # a group per channel (InstanceNorm's statistics)
-        mean, var = mean_c, var_c
-    else:
-        means = mean_c.view(n, groups, cg)
-        mean = means.mean(-1)
-        var = (var_c.view(n, groups, cg) + (means - mean[..., None]).square()).mean(-1)
-    rstd = torch.rsqrt(var + eps)
-    w = rstd[..., None].expand(n, groups, cg).reshape(n, c)
-    if weight is not None:
-        w = w * weight
-    b = -mean[..., None].expand(n, groups, cg).reshape(n, c) * w
-    if bias is not None:
-        b = b + bias
-    spatial = (1,) * (x.dim() - 2)
-    out = x * w.view(n, c, *spatial) + b.view(n, c, *spatial)
-    return out.to(input.dtype), mean.to(input.dtype), rstd.to(input.dtype)
-
-
-# Whether the caller had oneDNN on when capture began (torch.export turns it off inside).
-_ONEDNN = contextvars.ContextVar("opfuse_onednn", default=True)
-
-
-def _lstm(decompose: Callable[..., Any], *args: Any) -> Any:
-    """LSTM layers as oneDNN's fused layer, as eager runs them. torch.export switches
-    oneDNN off while it decomposes, and the decomposition then unrolls every time step
-    into a matmul and gates (an LSTM and a GRU: 8 kernels -> 70)."""
-    was = torch._C._get_mkldnn_enabled()
-    torch._C._set_mkldnn_enabled(_ONEDNN.get() and torch.backends.mkldnn.is_available())
-    try:
-        return decompose(*args)
-    finally:
-        torch._C._set_mkldnn_enabled(was)
-
-
-def _pad_circular(x: torch.Tensor, pad: Sequence[int]) -> Any:
-    """Circular padding as one concatenation of wrapped slices per padded dimension.
-
-    torch's composite writes slices into an empty tensor: in a functional graph six
-    slice_scatters for a 2-d pad, each a copy of the whole output (0.08x eager). A cat is
-    a gather kernels read through, or torch's one copy. Crops (negative pads) keep torch's
-    composite."""
-    k = len(pad) // 2
-    if len(pad) % 2 or k > x.dim() or any(p < 0 for p in pad):
-        return NotImplemented
-    y = x
-    for i in range(k):
-        d = x.dim() - 1 - i
-        left, right, n = pad[2 * i], pad[2 * i + 1], x.shape[d]
-        if left > n or right > n:
-            return NotImplemented  # wraps more than once: torch raises its own error
-        parts = [y.narrow(d, n - left, left)] if left else []
-        parts.append(y)
-        if right:
-            parts.append(y.narrow(d, 0, right))
-        if len(parts) > 1:
-            y = torch.cat(parts, d)
-    return x.clone() if y is x else y  # the op returns a new tensor, never its input
 
 
 # Ops that assert or annotate and produce nothing we need.
@@ -278,7 +88,7 @@ def capture_module(
     kwargs = kwargs or {}
     box: list[structure.Spec] = []
     flat = _Flat(model, box)
-    _ONEDNN.set(torch._C._get_mkldnn_enabled())
+    CALLER_ONEDNN.set(torch._C._get_mkldnn_enabled())
     try:
         with warnings.catch_warnings():
             # torch.export's internals raise deprecation warnings users cannot act on, and
@@ -354,41 +164,13 @@ def capture_module(
     return Captured(graph, output_roles, box[-1], input_roles, state, scalar_inputs, eager_kernels)
 
 
-@contextlib.contextmanager
-def keep_whole() -> Iterator[None]:
-    """Keep the upsampling ops whole while a trace decomposes: torch registers Python
-    kernels that decompose them (into gathers with index tensors: bilinear ran 7-50x
-    slower than torch's kernel, nearest 2x) at the Autograd and CompositeImplicit keys,
-    before any decomposition table is consulted. They are set aside for the trace and put
-    back; the C++ composite of .vec then calls .default, which the trace records."""
-    keys = (torch._C.DispatchKey.Autograd, torch._C.DispatchKey.CompositeImplicitAutograd)
-    saved = [(op, k, op.py_kernels.pop(k)) for op in _PY_WHOLE for k in keys if k in op.py_kernels]
-    for op in _PY_WHOLE:
-        op._dispatch_cache.clear()
-    try:
-        yield
-    finally:
-        for op, k, fn in saved:
-            op.py_kernels[k] = fn
-        for op in _PY_WHOLE:
-            op._dispatch_cache.clear()
-
-
-_PY_WHOLE = tuple(
-    getattr(getattr(aten, name), overload)
-    for name in _UPSAMPLE
-    for overload in ("vec", "default")
-    if hasattr(getattr(aten, name), overload)
-)
-
-
 def _decompose_functional(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:
     """Decompose an exported graph that mutates nothing, op by op (decompose.retrace: fake
     tensors, same inputs and outputs, node metadata kept). None when the graph or its
     decomposition mutates, or holds higher-order ops: those need `run_decompositions`,
     which functionalizes and rewrites the signature, at four times the cost of a retrace
     (BERT-base: 2.3 s vs 0.6 s) and 15 times that of this one."""
-    if not _plain_functional(gm) or any(n.target in _RECURRENT for n in gm.graph.nodes):
+    if not _plain_functional(gm) or any(n.target in RECURRENT for n in gm.graph.nodes):
         return None  # (make_fx decomposes every composite op; these must stay whole)
     from torch._dispatch.python import enable_python_dispatcher
 
@@ -677,4 +459,4 @@ def _clean_module_path(q: str) -> str:
     return q
 
 
-__all__ = ["CaptureError", "Captured", "capture_fx", "capture_module", "decompositions"]
+__all__ = ["CaptureError", "Captured", "capture_fx", "capture_module"]

@@ -1,7 +1,10 @@
-"""Decompose an exported graph op by op (capture's step after torch.export).
+"""What capture decomposes, and how: the decomposition table (torch's core ATen table, with
+the ops opfuse keeps whole or decomposes its own way), and the op-by-op retrace of an
+exported graph.
 
-Retracing the whole graph with make_fx costs a dispatch through fake tensors for every op,
-also for the many ops no decomposition touches (BERT-base: 0.7-1.2 s of a 3.3 s compile).
+The retrace: retracing the whole graph with make_fx costs a dispatch through fake tensors
+for every op, also for the many ops no decomposition touches (BERT-base: 0.7-1.2 s of a
+3.3 s compile).
 Here only the ops a decomposition applies to are traced, and an op seen before with the
 same argument layouts reuses its trace, so a model's repeated blocks trace once; all of
 them in one make_fx call, cut apart afterwards and spliced into a copy of the graph
@@ -9,14 +12,237 @@ them in one make_fx call, cut apart afterwards and spliced into a copy of the gr
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
 import operator
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx
 from torch.utils import _pytree as pytree
+
+aten = torch.ops.aten
+
+# Upsampling runs torch's kernel (nearest by powers of two: an index map kernels read
+# through); every mode's decomposition gathers with index tensors.
+_UPSAMPLE = (
+    "upsample_nearest1d",
+    "upsample_nearest2d",
+    "upsample_nearest3d",
+    "_upsample_nearest_exact1d",
+    "_upsample_nearest_exact2d",
+    "_upsample_nearest_exact3d",
+    "upsample_linear1d",
+    "upsample_bilinear2d",
+    "upsample_trilinear3d",
+    "upsample_bicubic2d",
+)
+
+_KEEP_WHOLE = (
+    aten.roll.default,  # an index map kernels read through (decomposed: two index_selects)
+    *(getattr(aten, name).default for name in _UPSAMPLE),  # see keep_whole
+    # Their decompositions gather with index tensors, run op by op with torch: reflect and
+    # replicate padding 20-30x slower than torch's kernels, unfold/fold 3-4x.
+    *(
+        getattr(aten, f"{mode}_pad{d}d{suffix}").default
+        for mode in ("reflection", "replication")
+        for d in (1, 2, 3)
+        for suffix in ("", "_backward")
+    ),
+    aten.im2col.default,
+    aten.col2im.default,
+    # Pointwise backward ops stay whole: the op table has their formulas, so keeping them
+    # makes smaller graphs than their decompositions.
+    aten.threshold_backward.default,
+    aten.sigmoid_backward.default,
+    aten.tanh_backward.default,
+    aten.gelu_backward.default,
+    aten.silu_backward.default,
+    aten.hardswish_backward.default,
+    aten.hardsigmoid_backward.default,
+    aten.leaky_relu_backward.default,
+    aten.hardtanh_backward.default,
+    aten.elu_backward.default,
+    aten.softplus_backward.default,
+    aten.silu.default,
+    aten.hardswish.default,
+    aten.hardsigmoid.default,
+)
+
+# A GRU / Elman RNN unrolls into a dozen ops per time step, layer and direction (measured:
+# a 2-layer bidirectional GRU over 50 steps, 816 ops, 3.2x slower than eager's one call,
+# 20 s to compile); whole, it runs torch's own loop. (LSTM's decomposition calls oneDNN's
+# fused layer, so it stays.)
+RECURRENT = (
+    aten.gru.input,
+    aten.gru.data,
+    aten.rnn_tanh.input,
+    aten.rnn_tanh.data,
+    aten.rnn_relu.input,
+    aten.rnn_relu.data,
+)
+
+_DECOMPOSE = (
+    aten.native_layer_norm,
+    aten._softmax,
+    aten._log_softmax,
+    aten.native_group_norm,
+    aten._native_batch_norm_legit,
+    aten._native_batch_norm_legit_functional,
+    aten.native_batch_norm,
+    aten.linalg_vector_norm,
+    aten.std,
+    aten.std_mean,
+    aten.logsumexp,
+    aten.native_dropout,
+)
+
+
+@functools.lru_cache(maxsize=2)
+def decompositions() -> dict[Any, Callable[..., Any]]:
+    """The decomposition table of both capture paths (export's retrace, AOTAutograd's joint
+    forward/backward trace)."""
+    from torch._decomp import core_aten_decompositions, get_decompositions
+
+    table = dict(core_aten_decompositions())
+    table.update(get_decompositions(list(_DECOMPOSE)))
+    for op in _KEEP_WHOLE:
+        table.pop(op, None)
+    # BatchNorm without running statistics stays whole so that the BatchNorm pass can say
+    # why it is not folded; it lowers it itself (rewrite/batchnorm.py).
+    table.pop(aten._native_batch_norm_legit.no_stats, None)
+    for op in RECURRENT:
+        table.pop(op, None)
+    # The user's scaled_dot_product_attention runs torch's flash kernel. Decomposed, it ran
+    # 0.73-0.91x eager for sequences of 32-512 (8 x 12 heads x 64), inference. In training
+    # the decomposition is also wrong: it returns the attention probabilities where the op
+    # returns its log-sum-exp, and the flash backward AOTAutograd pairs with the op reads
+    # that slot as log-sum-exp (q/k/v gradients off by up to 150). Inductor excludes it too.
+    table.pop(aten._scaled_dot_product_flash_attention_for_cpu.default, None)
+    table[aten._pad_circular.default] = _pad_circular
+    table[aten.native_group_norm.default] = _group_norm
+    for op in (aten.lstm.input, aten.lstm.data):
+        if op in table:
+            table[op] = functools.partial(_lstm, table[op])
+    return table
+
+
+def _group_norm(
+    input: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    n: int,
+    c: int,
+    hw: int,
+    groups: int,
+    eps: float,
+) -> Any:
+    """GroupNorm with its statistics taken per channel, then combined per group.
+
+    torch's decomposition reduces a [N, G, C/G * H*W] view: on a channels-last image (the
+    layout frozen conv graphs run in) each group's elements lie C apart and the reduction
+    gathers them one by one (GroupNorm + SiLU 0.26x eager). Per-channel statistics are a
+    reduction over the spatial dimensions in either layout (rows in NCHW, columns in NHWC);
+    the group's mean is the mean of its channels' means and its variance the mean of
+    var_c + (mean_c - mean)^2 (every channel counts H*W elements). The output is
+    x * w + b with per-channel w = rstd * weight and b = bias - mean * w, as torch's CPU
+    kernel computes it."""
+    if input.dim() < 3 or c % groups or input.numel() == 0:
+        return NotImplemented
+    from torch._prims_common import get_computation_dtype
+
+    x = input.to(get_computation_dtype(input.dtype))
+    cg = c // groups
+    var_c, mean_c = torch.var_mean(x, dim=list(range(2, x.dim())), correction=0)
+    if cg == 1:  # a group per channel (InstanceNorm's statistics)
+        mean, var = mean_c, var_c
+    else:
+        means = mean_c.view(n, groups, cg)
+        mean = means.mean(-1)
+        var = (var_c.view(n, groups, cg) + (means - mean[..., None]).square()).mean(-1)
+    rstd = torch.rsqrt(var + eps)
+    w = rstd[..., None].expand(n, groups, cg).reshape(n, c)
+    if weight is not None:
+        w = w * weight
+    b = -mean[..., None].expand(n, groups, cg).reshape(n, c) * w
+    if bias is not None:
+        b = b + bias
+    spatial = (1,) * (x.dim() - 2)
+    out = x * w.view(n, c, *spatial) + b.view(n, c, *spatial)
+    return out.to(input.dtype), mean.to(input.dtype), rstd.to(input.dtype)
+
+
+# Whether the caller had oneDNN on when capture began (torch.export turns it off inside).
+CALLER_ONEDNN = contextvars.ContextVar("opfuse_onednn", default=True)
+
+
+def _lstm(decompose: Callable[..., Any], *args: Any) -> Any:
+    """LSTM layers as oneDNN's fused layer, as eager runs them. torch.export switches
+    oneDNN off while it decomposes, and the decomposition then unrolls every time step
+    into a matmul and gates (an LSTM and a GRU: 8 kernels -> 70)."""
+    was = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(CALLER_ONEDNN.get() and torch.backends.mkldnn.is_available())
+    try:
+        return decompose(*args)
+    finally:
+        torch._C._set_mkldnn_enabled(was)
+
+
+def _pad_circular(x: torch.Tensor, pad: Sequence[int]) -> Any:
+    """Circular padding as one concatenation of wrapped slices per padded dimension.
+
+    torch's composite writes slices into an empty tensor: in a functional graph six
+    slice_scatters for a 2-d pad, each a copy of the whole output (0.08x eager). A cat is
+    a gather kernels read through, or torch's one copy. Crops (negative pads) keep torch's
+    composite."""
+    k = len(pad) // 2
+    if len(pad) % 2 or k > x.dim() or any(p < 0 for p in pad):
+        return NotImplemented
+    y = x
+    for i in range(k):
+        d = x.dim() - 1 - i
+        left, right, n = pad[2 * i], pad[2 * i + 1], x.shape[d]
+        if left > n or right > n:
+            return NotImplemented  # wraps more than once: torch raises its own error
+        parts = [y.narrow(d, n - left, left)] if left else []
+        parts.append(y)
+        if right:
+            parts.append(y.narrow(d, 0, right))
+        if len(parts) > 1:
+            y = torch.cat(parts, d)
+    return x.clone() if y is x else y  # the op returns a new tensor, never its input
+
+
+@contextlib.contextmanager
+def keep_whole() -> Iterator[None]:
+    """Keep the upsampling ops whole while a trace decomposes: torch registers Python
+    kernels that decompose them (into gathers with index tensors: bilinear ran 7-50x
+    slower than torch's kernel, nearest 2x) at the Autograd and CompositeImplicit keys,
+    before any decomposition table is consulted. They are set aside for the trace and put
+    back; the C++ composite of .vec then calls .default, which the trace records."""
+    keys = (torch._C.DispatchKey.Autograd, torch._C.DispatchKey.CompositeImplicitAutograd)
+    saved = [(op, k, op.py_kernels.pop(k)) for op in _PY_WHOLE for k in keys if k in op.py_kernels]
+    for op in _PY_WHOLE:
+        op._dispatch_cache.clear()
+    try:
+        yield
+    finally:
+        for op, k, fn in saved:
+            op.py_kernels[k] = fn
+        for op in _PY_WHOLE:
+            op._dispatch_cache.clear()
+
+
+_PY_WHOLE = tuple(
+    getattr(getattr(aten, name), overload)
+    for name in _UPSAMPLE
+    for overload in ("vec", "default")
+    if hasattr(getattr(aten, name), overload)
+)
+
 
 # The node metadata capture reads (shapes come from the traced nodes' own "val").
 _KEPT_META = ("nn_module_stack", "stack_trace", "source_fn_stack")

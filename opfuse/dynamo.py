@@ -13,7 +13,8 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from .capture import capture_fx, decompositions, keep_whole
+from .capture import capture_fx
+from .decompose import decompositions, keep_whole
 from .explain import count_kernels
 from .pipeline import CompiledGraph, Options, compile_graph, warn_once
 from .replay import Facts, learn, twice_differentiable

@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import opfuse
-from opfuse import capture
+from opfuse import capture, decompose
 from opfuse.bench.models import build
 from tests.conftest import assert_matches_eager
 
@@ -74,10 +74,10 @@ def _whole_retrace(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     vals = [n.meta["val"] for n in gm.graph.find_nodes(op="placeholder")]
     with FakeTensorMode(allow_non_fake_inputs=True):
         fakes = [torch.empty_strided(v.shape, v.stride(), dtype=v.dtype) for v in vals]
-    with enable_python_dispatcher(), capture.keep_whole():
+    with enable_python_dispatcher(), decompose.keep_whole():
         return make_fx(
             torch.fx.Interpreter(gm).run,
-            decomposition_table=capture.decompositions(),
+            decomposition_table=decompose.decompositions(),
             tracing_mode="fake",
         )(*fakes)
 
@@ -116,8 +116,6 @@ def test_op_by_op_decomposition_equals_the_whole_graph_retrace(case: Any) -> Non
 
 
 def test_repeated_blocks_trace_each_op_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    from opfuse import decompose
-
     traced: list[int] = []
     real = decompose._trace
 

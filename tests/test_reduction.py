@@ -314,7 +314,7 @@ def test_welford_rows_with_a_short_contiguous_loop_fold_it(
     # here to keep such rows.)
     from torch._decomp import get_decompositions
 
-    from opfuse.capture import decompositions
+    from opfuse.decompose import decompositions
 
     op = torch.ops.aten.native_group_norm
     monkeypatch.setitem(decompositions(), op.default, get_decompositions([op])[op.default])
