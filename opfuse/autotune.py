@@ -37,6 +37,12 @@ MAX_REPS = 200
 BUDGET = 0.2
 MIN_SAMPLES = 2
 SLOWER = 1.12
+# Calls this long are sampled once: their one-time costs are small beside them, and the
+# load here drifts more between samples than a second one resolves (GPT-2 b8's LM head,
+# 1024x768x50257: first / second call 997 / 883, 905 / 914, 760 / 716 ms, while one
+# candidate read 905 ms in the first round and 746 in the second; its tuning took 8 s of
+# an 11 s compile).
+LONG_CALL = 0.25
 # A loser is dropped only after this many samples: a library call that allocates its own
 # output faults fresh heap pages in on its first calls (oneDNN bfloat16 linear
 # 1024x768x3072: ~1600 faults on each of calls 1-3, 11.7 / 6.3 / 5.9 ms, then 3.4 ms).
@@ -217,12 +223,12 @@ def time_candidates(
     candidate that raises is dropped. The fastest, not the median: the noise here only adds
     time, and most of it is not the candidate's (page faults when glibc hands a freed block
     back to the OS and the next allocation of any candidate faults it in again, ~2 us a
-    page: 8 ms on a 25 MB output). Sampling stops at `reps`
-    samples (and MIN_SECONDS each), or at MIN_SAMPLES once `budget` seconds are spent; a
-    candidate whose fastest sample (of DROP_AFTER or more) is SLOWER times the leader's (or
-    `beat`, the best time of candidates timed earlier) stops being sampled. `done` (say,
-    `settled`) ends sampling from SETTLE_AFTER samples (and MIN_SECONDS) on when it holds
-    for the fastest samples so far."""
+    page: 8 ms on a 25 MB output). Sampling stops at `reps` samples (and MIN_SECONDS
+    each), or at MIN_SAMPLES once `budget` seconds are spent, or after the first calls when
+    each took LONG_CALL or more; a candidate whose fastest sample (of DROP_AFTER or more)
+    is SLOWER times the leader's (or `beat`, the best time of candidates timed earlier)
+    stops being sampled. `done` (say, `settled`) ends sampling from SETTLE_AFTER samples
+    (and MIN_SECONDS) on when it holds for the fastest samples so far."""
     alive = dict(candidates)
     samples: dict[str, list[float]] = {k: [] for k in alive}
     with torch.no_grad():
@@ -238,6 +244,8 @@ def time_candidates(
             samples[k].append(time.perf_counter() - t0)
         spent = sum(sum(v) for v in samples.values())
         n = 1
+        if alive and all(samples[k][0] >= LONG_CALL for k in alive):
+            return _fastest(samples)
         while alive and n < MAX_REPS:
             for k, fn in alive.items():
                 t0 = time.perf_counter()

@@ -80,10 +80,21 @@ def test_a_choice_near_a_margin_is_not_settled(clock: Clock) -> None:
 
 def test_long_candidates_stop_at_the_budget(clock: Clock) -> None:
     got = autotune.time_candidates(
-        {"a": clock.candidate("a", 0.30), "b": clock.candidate("b", 0.31)}
+        {"a": clock.candidate("a", 0.15), "b": clock.candidate("b", 0.16)}
     )
     assert set(got) == {"a", "b"}
     assert clock.calls == {"a": autotune.MIN_SAMPLES, "b": autotune.MIN_SAMPLES}
+
+
+def test_calls_longer_than_long_call_are_sampled_once(clock: Clock) -> None:
+    got = autotune.time_candidates(
+        {"a": clock.candidate("a", autotune.LONG_CALL), "b": clock.candidate("b", 0.3)}
+    )
+    assert clock.calls == {"a": 1, "b": 1} and set(got) == {"a", "b"}
+    # one shorter candidate: all are sampled as usual
+    clock.calls.clear()
+    autotune.time_candidates({"a": clock.candidate("a", 0.3), "c": clock.candidate("c", 0.2)})
+    assert clock.calls == {"a": autotune.MIN_SAMPLES, "c": autotune.MIN_SAMPLES}
 
 
 def test_time_to_beat_stops_a_lone_candidate(clock: Clock) -> None:
