@@ -23,8 +23,8 @@ import torch
 from ..ir.graph import CONSTANT, GETITEM, Graph, Node, TensorMeta, bind
 from ..ir.index import Ix, Var, address
 from ..ir.ops import VIEW_OPS, info
-from ..ir.scalar import Expr, walk
-from .kernel import Kernel, rewrite
+from ..ir.scalar import walk
+from .kernel import Kernel, map_indices
 from .lowering import NotFusable, _Lowering, lower_group, lower_on_domain, used_outside
 
 GEMMS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
@@ -240,21 +240,7 @@ def _read_tile_slot(kernel: Kernel, gemm_buf: str, tile_n: int) -> Kernel:
     at = (Ix.var(row) - Ix.var(Var(TILE_ROW, row.extent))) * tile_n + (
         Ix.var(col) - Ix.var(Var(TILE_COL, col.extent))
     )
-    memo: dict[Expr, Expr] = {}
-
-    def expr(e: Expr) -> Expr:
-        hit = memo.get(e)
-        if hit is None:
-            if e.op == "load" and e.value[0] == gemm_buf:
-                hit = Expr("load", (), e.dtype, (gemm_buf, at))
-            elif e.args:
-                hit = Expr(e.op, tuple(expr(a) for a in e.args), e.dtype, e.value)
-            else:
-                hit = e
-            memo[e] = hit
-        return hit
-
-    return rewrite(kernel, expr, lambda ix: ix)
+    return map_indices(kernel, lambda ix: ix, lambda buf, ix: at if buf == gemm_buf else ix)
 
 
 def _check_tile_local(kernel: Kernel, gemm_buf: str) -> None:

@@ -163,8 +163,11 @@ class Kernel:
         return split or self.outer_size * self.inner_size >= PARALLEL_MIN
 
 
-def map_indices(k: Kernel, fix: Callable[[Ix], Ix]) -> Kernel:
-    """k with `fix` applied to every index: loads, position tests, stores, guards."""
+def map_indices(
+    k: Kernel, fix: Callable[[Ix], Ix], load: Callable[[str, Ix], Ix] | None = None
+) -> Kernel:
+    """k with `fix` applied to every index: loads, position tests, stores, guards; the
+    loads' by `load(buffer, index)` instead where that is given."""
     memo: dict[Expr, Expr] = {}
 
     def expr(e: Expr) -> Expr:
@@ -173,7 +176,7 @@ def map_indices(k: Kernel, fix: Callable[[Ix], Ix]) -> Kernel:
             return hit
         if e.op == "load":
             buf, ix = e.value
-            new = Expr("load", (), e.dtype, (buf, fix(ix)))
+            new = Expr("load", (), e.dtype, (buf, load(buf, ix) if load else fix(ix)))
         elif e.op == "index":
             new = Expr("index", (), e.dtype, fix(e.value))
         elif e.args:
