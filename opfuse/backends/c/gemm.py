@@ -188,6 +188,7 @@ def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> s
         lines.append(f"  static const int64_t packed_at[] = {{{offs}}};")
     else:
         lines.append(f"  const opfuse_sgemm_t gemm = (opfuse_sgemm_t)args[{fn_arg}];")
+    m0, n0 = TILE_ROW, TILE_COL  # the tile's origin, by the names the epilogue reads
     tiles_m = -(-s.m // k.tile_m)
     tiles_n = -(-s.n // k.tile_n)
     lines.append("  int err = 0;")
@@ -199,9 +200,9 @@ def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> s
         f"  for (int64_t bb = 0; bb < {s.batch}; bb++)",
         f"  for (int64_t tm = 0; tm < {tiles_m}; tm++)",
         f"  for (int64_t tn = 0; tn < {tiles_n}; tn++) {{",
-        f"    const int64_t {TILE_ROW} = tm * {k.tile_m}, {TILE_COL} = tn * {k.tile_n};",
-        f"    const int mm = (int)({s.m} - m0 < {k.tile_m} ? {s.m} - m0 : {k.tile_m});",
-        f"    const int nn = (int)({s.n} - n0 < {k.tile_n} ? {s.n} - n0 : {k.tile_n});",
+        f"    const int64_t {m0} = tm * {k.tile_m}, {n0} = tn * {k.tile_n};",
+        f"    const int mm = (int)({s.m} - {m0} < {k.tile_m} ? {s.m} - {m0} : {k.tile_m});",
+        f"    const int nn = (int)({s.n} - {n0} < {k.tile_n} ? {s.n} - {n0} : {k.tile_n});",
     ]
     ldc = k.tile_n if local else s.n
     if local:
@@ -209,15 +210,15 @@ def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> s
             f"    float *tile = {g}_slots + (int64_t)omp_get_thread_num() * {k.tile_m * k.tile_n};"
         )
     else:
-        lines.append(f"    float *tile = {g} + bb * {s.m * s.n} + (int64_t)m0 * {s.n} + n0;")
-    a_off = f"bb * {s.a.batch_stride} + " + ("m0" if s.a.trans else f"(int64_t)m0 * {s.a.ld}")
+        lines.append(f"    float *tile = {g} + bb * {s.m * s.n} + {m0} * {s.n} + {n0};")
+    a_off = f"bb * {s.a.batch_stride} + " + (m0 if s.a.trans else f"{m0} * {s.a.ld}")
     if packed_offsets is not None:
         lines.append(
             f"    gemm({ROW_MAJOR}, {TRANS if s.a.trans else NO_TRANS}, {PACKED}, mm, nn, {s.k}, "
             f"A + {a_off}, {s.a.ld}, B + packed_at[tn], {s.k}, 0.0f, tile, {ldc});"
         )
     else:
-        b_off = f"bb * {s.b.batch_stride} + " + (f"(int64_t)n0 * {s.b.ld}" if s.b.trans else "n0")
+        b_off = f"bb * {s.b.batch_stride} + " + (f"{n0} * {s.b.ld}" if s.b.trans else n0)
         lines += [
             f"    const int K = {s.k}, lda = {s.a.ld}, ldb = {s.b.ld}, ldc = {ldc};",
             "    const float one = 1.0f, zero = 0.0f;",
@@ -230,12 +231,12 @@ def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> s
     em = Emitter([{}], [0])
     if bvar:
         lines.append(f"    const int64_t {bvar} = bb;")
-    lines.append(f"    for (int64_t {mvar} = m0; {mvar} < m0 + mm; {mvar}++) {{")
+    lines.append(f"    for (int64_t {mvar} = {m0}; {mvar} < {m0} + mm; {mvar}++) {{")
     if local:
         # the epilogue reads the slot at (row - m0) * tile_n + (col - n0) (lower_blocked)
         lines.append(f"      const float *restrict {g} = tile;")
     lines.append("      #pragma omp simd")
-    lines.append(f"      for (int64_t {nvar} = n0; {nvar} < n0 + nn; {nvar}++) {{")
+    lines.append(f"      for (int64_t {nvar} = {n0}; {nvar} < {n0} + nn; {nvar}++) {{")
     em.scopes.append({})
     emit_stores(em, epi.passes[0].stores, lines, "        ")
     lines += ["      }", "    }", "  }", "  return err;", "}"]
