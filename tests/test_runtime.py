@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -438,4 +439,12 @@ def test_kernels_build_as_parallel_units_into_one_library(
     assert not list(fresh_cache.glob("tmp*"))  # units and objects removed
     with pytest.raises(build.BuildError, match="failed"):
         build.build([*pieces[:2], "int broken(void *a, int n) { return }"], header)
+    assert not list(fresh_cache.glob("tmp*"))
+
+    def no_process(*args: Any, **kwargs: Any) -> Any:
+        raise OSError("Resource temporarily unavailable")
+
+    monkeypatch.setattr(build.subprocess, "Popen", no_process)
+    with pytest.raises(build.BuildError, match="could not run"):
+        build.build([*pieces, "int k9(void *a, int n) { return 9; }"], header)
     assert not list(fresh_cache.glob("tmp*"))

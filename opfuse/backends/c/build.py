@@ -212,6 +212,15 @@ def _load_cached(so: Path, sig: Path) -> Library | None:
 
 
 def _compile(tc: Toolchain, head: str, pieces: list[str], d: Path, so: Path, sig: Path) -> None:
+    try:
+        _compile_units(tc, head, pieces, d, so, sig)
+    except (OSError, subprocess.TimeoutExpired) as e:  # no process, or one that hangs
+        raise BuildError(f"{tc.cc} could not run: {e}") from e
+
+
+def _compile_units(
+    tc: Toolchain, head: str, pieces: list[str], d: Path, so: Path, sig: Path
+) -> None:
     units = _split(pieces, _cores())
     written: list[str] = []
     tmp_so = ""
