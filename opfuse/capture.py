@@ -188,7 +188,7 @@ def _decompose_functional(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | No
             yield
 
     try:
-        out = retrace(gm, decompositions(), context)
+        out = retrace(gm, decompositions(listed=False), context)
     except Exception:
         return None
     return out if out is not None and _plain_functional(out) else None
