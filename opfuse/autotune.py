@@ -37,12 +37,12 @@ MAX_REPS = 200
 BUDGET = 0.2
 MIN_SAMPLES = 2
 SLOWER = 1.12
-# Calls this long are sampled once: their one-time costs are small beside them, and the
-# load here drifts more between samples than a second one resolves (GPT-2 b8's LM head,
-# 1024x768x50257: first / second call 997 / 883, 905 / 914, 760 / 716 ms, while one
-# candidate read 905 ms in the first round and 746 in the second; its tuning took 8 s of
-# an 11 s compile).
-LONG_CALL = 0.25
+# Calls this long are sampled once: their one-time costs (page faults of a fresh output,
+# tens of ms at most) are small beside them, and the load here drifts more between samples
+# than a second one resolves (GPT-2 b8's LM head, 1024x768x50257: first / second call
+# 997 / 883, 905 / 914, 760 / 716 ms, while one candidate read 905 ms in the first round
+# and 746 in the second; its tuning took 8 s of an 11 s compile).
+LONG_CALL = 0.5
 # A loser is dropped only after this many samples: a library call that allocates its own
 # output faults fresh heap pages in on its first calls (oneDNN bfloat16 linear
 # 1024x768x3072: ~1600 faults on each of calls 1-3, 11.7 / 6.3 / 5.9 ms, then 3.4 ms).

@@ -88,12 +88,12 @@ def test_long_candidates_stop_at_the_budget(clock: Clock) -> None:
 
 def test_calls_longer_than_long_call_are_sampled_once(clock: Clock) -> None:
     got = autotune.time_candidates(
-        {"a": clock.candidate("a", autotune.LONG_CALL), "b": clock.candidate("b", 0.3)}
+        {"a": clock.candidate("a", autotune.LONG_CALL), "b": clock.candidate("b", 0.6)}
     )
     assert clock.calls == {"a": 1, "b": 1} and set(got) == {"a", "b"}
     # one shorter candidate: all are sampled as usual
     clock.calls.clear()
-    autotune.time_candidates({"a": clock.candidate("a", 0.3), "c": clock.candidate("c", 0.2)})
+    autotune.time_candidates({"a": clock.candidate("a", 0.6), "c": clock.candidate("c", 0.2)})
     assert clock.calls == {"a": autotune.MIN_SAMPLES, "c": autotune.MIN_SAMPLES}
 
 
