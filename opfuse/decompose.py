@@ -116,8 +116,7 @@ def _table(listed: bool) -> dict[Any, Callable[..., Any]]:
 
     unlisted = getattr(decomp, "_core_aten_decompositions_post_autograd", None)
     table = dict(decomp.core_aten_decompositions() if listed or unlisted is None else unlisted())
-    get_decompositions = decomp.get_decompositions
-    table.update(get_decompositions(list(_DECOMPOSE)))
+    table.update(decomp.get_decompositions(list(_DECOMPOSE)))
     for op in _KEEP_WHOLE:
         table.pop(op, None)
     # BatchNorm without running statistics stays whole so that the BatchNorm pass can say
