@@ -20,6 +20,16 @@ The tricky case is a diamond whose sides are not both in the group:
 
 Merging d into G would make G read c, which reads G: a cycle. `_creates_cycle` finds the
 path G -> c -> d through a node outside both groups.
+
+The path may also run through a third group at two different members (two branches that
+exchange values, HRNet's fuse layers):
+
+        a --> add1 (G1)         G1 = {a, add1}, G2 = {b, add2}
+        a --> mm_q --> add2     merging mm_p into G1 (its epilogue) makes G1 read b, in G2,
+        b --> add2 (G2)         while G2 reads mm_q, which reads G1: a cycle between groups
+        b --> mm_p --> add1     that no path between single nodes shows.
+
+So the search walks groups: reaching any member of a group continues from all its members.
 """
 
 from __future__ import annotations
@@ -179,24 +189,34 @@ class _Partitioner:
         return self._reaches(A, B) or self._reaches(B, A)
 
     def _reaches(self, src: set[Node], dst: set[Node]) -> bool:
-        """Is there a path src -> x -> dst with x outside both sets?"""
+        """Is there a path src -> x -> dst with x outside both sets? Paths run between
+        groups, not nodes: a group is one kernel, so a path that enters a group at one
+        member leaves it from every member (see the module docstring's second diagram)."""
         lo = min(self.index[n] for n in src)
-        stack = [r for d in dst for i in d.inputs() for r in self.roots(i)]
-        stack = [x for x in stack if x not in src and x not in dst]
+        stack = [x for x in self._preds(dst) if x not in src and x not in dst]
         seen: set[Node] = set()
+        entered: set[int] = set()
         while stack:
             x = stack.pop()
-            if x in seen or self.index[x] < lo:
+            if x in seen or x in dst:
                 continue
             seen.add(x)
             if x in src:
                 return True
-            for r in (r for i in x.inputs() for r in self.roots(i)):
-                if r in src:
-                    return True
-                if r not in dst:
-                    stack.append(r)
+            gid = self.group_of.get(x)
+            if gid is None:
+                if self.index[x] >= lo:
+                    stack.extend(self._preds([x]))
+            elif gid not in entered:
+                entered.add(gid)
+                # members are in topological order: a group that ends before src begins
+                # cannot read it
+                if self.index[self.members[gid][-1]] >= lo:
+                    stack.extend(self._preds(self.members[gid]))
         return False
+
+    def _preds(self, nodes: Iterable[Node]) -> list[Node]:
+        return [r for n in nodes for i in n.inputs() for r in self.roots(i)]
 
     def _fuse_siblings(self) -> None:
         """Groups over the same domain (pointwise: same shape; reductions: same input shape
