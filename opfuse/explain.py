@@ -59,6 +59,11 @@ def make_report(
         notes = lowered.notes.get(g.id, [])
         if notes and g.pattern in ("gemm_epilogue", "conv_epilogue"):
             implementation += " [not candidates: " + "; ".join(notes) + "]"
+        if isinstance(b, BuiltCall) and b.guard is not None and b.guard.exact is not None:
+            implementation += (
+                " [guarded: oneDNN's post-op turns NaN into a number; it runs without it, "
+                "then torch's, when an input may hold NaN or inf or a sum may overflow]"
+            )
         k = _kernel_of(b)
         groups.append(
             GroupReport(

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .finite import FiniteGuard
 from .fusion.groups import Partition
 from .ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta, map_args
 from .ir.ops import info
@@ -61,6 +62,7 @@ class BuiltCall:
     # dead afterwards): inplace(*inputs) -> that input.
     inplace: Callable[..., Any] | None = None
     donor: int | None = None
+    guard: FiniteGuard | None = None  # bounds through the call; NaN kept by its post-op
 
 
 Built = BuiltKernel | BuiltGemm | BuiltCall
@@ -159,6 +161,7 @@ class _Planner:
                 inplace=b.inplace,
                 donate=b.donor if b.inplace is not None else None,
                 donor=output.tensor if b.inplace is not None else None,
+                guard=b.guard,
             )
         )
         for i in inputs:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .finite import FiniteGuard
 from .ir.graph import TensorMeta
 
 
@@ -97,6 +98,9 @@ class TorchStep:
     # A pure view (view, expand, permute, slice...): computed once, at the first call,
     # when what it views is fixed memory (a pooled block, a constant).
     view: bool = False
+    # A library call whose fused post-op would turn NaN into a number runs only when its
+    # inputs' bounds prove no NaN can reach it (finite.py); else `guard.exact` runs.
+    guard: FiniteGuard | None = None
 
 
 @dataclass(frozen=True)
@@ -126,6 +130,7 @@ class _Frame(threading.local):
     """Per-thread state: the pooled blocks and prebuilt kernel argument arrays."""
 
     ready: bool = False
+    guarded: bool = False
 
 
 _LIVE: weakref.WeakSet[Runtime] = weakref.WeakSet()
@@ -221,6 +226,14 @@ class Runtime:
             f.dynamic.append(dyn)
         f.fixed = fixed
         f.recycle = {}
+        # per guarded step: the slots of the arguments its guard bounds
+        f.bounded = [
+            tuple(a.index for a in s.args[:2])
+            if isinstance(s, TorchStep) and s.guard is not None
+            else ()
+            for s in plan.steps
+        ]
+        f.guarded = any(f.bounded)
         f.ready = True
         return f
 
@@ -233,6 +246,8 @@ class Runtime:
         nthreads = torch.get_num_threads()
         frees = plan.frees or [()] * len(plan.steps)
         skip = f.skip
+        # value bounds of this call, by slot (finite.py), where a step is guarded
+        bounds: list[float | None] | None = [None] * plan.n_slots if f.guarded else None
         for si, step in enumerate(plan.steps):
             if skip[si]:
                 pass
@@ -260,7 +275,16 @@ class Runtime:
                 assert isinstance(step, TorchStep)
                 args = f.bind[si](env)
                 kwargs = _kwargs(step, env)
-                if step.donate is not None and _donate(env, step, args):
+                fused = True
+                if bounds is not None:
+                    if step.guard is not None:
+                        fused, bounds[step.output] = step.guard.choose(args, f.bounded[si], bounds)
+                    elif step.view and type(step.args[0]) is Slot:  # its base's elements
+                        bounds[step.output] = bounds[step.args[0].index]
+                if not fused:
+                    assert step.guard is not None and step.guard.exact is not None
+                    env[step.output] = step.guard.exact(*args, **kwargs)
+                elif step.donate is not None and _donate(env, step, args):
                     assert step.inplace is not None
                     env[step.output] = step.inplace(*args, **kwargs)
                 elif step.out_block is not None:

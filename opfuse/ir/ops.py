@@ -201,7 +201,8 @@ def elu_backward(
         neg = grad_output * input_scale * (x + negcoef)
     else:
         neg = grad_output * input_scale * negcoef * exp(x * input_scale)
-    return where(x <= 0, neg, grad_output * scale)
+    # NaN takes the negative side, whose formula keeps it (eager's NaN, not grad * scale)
+    return where(x > 0, grad_output * scale, neg)
 
 
 def arange(start: Any, end: Any, step: Any = 1, *, _index: Any, **_: Any) -> Expr:
@@ -646,12 +647,13 @@ OPS: dict[str, OpInfo] = {
     "aten.gelu_backward.default": pw(gelu_backward),
     "aten.silu_backward.default": pw(lambda grad_output, self: grad_output * call("sigmoid", self)
                                      * (1 + self * (1 - call("sigmoid", self)))),
+    # NaN inputs: the gradient eager computes in float64 (hardswish: NaN; hardtanh: 0)
     "aten.hardswish_backward.default": pw(lambda grad_output, self: where(
-        self < -3, 0, where(self <= 3, grad_output * (self / 3 + 0.5), grad_output))),
+        self < -3, 0, where(self > 3, grad_output, grad_output * (self / 3 + 0.5)))),
     "aten.hardsigmoid_backward.default": pw(lambda grad_output, self: where(
         (self > -3) & (self < 3), grad_output / 6, 0)),
     "aten.hardtanh_backward.default": pw(lambda grad_output, self, min_val, max_val: where(
-        (self <= min_val) | (self >= max_val), 0, grad_output)),
+        (self > min_val) & (self < max_val), grad_output, 0)),
     "aten.leaky_relu_backward.default": pw(
         lambda grad_output, self, negative_slope, self_is_result:
         where(self > 0, grad_output, grad_output * negative_slope)),

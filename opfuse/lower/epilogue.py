@@ -297,6 +297,12 @@ BINARY = {
     "aten.div.Tensor": "div",
 }
 COMMUTATIVE = frozenset({"aten.add.Tensor", "aten.mul.Tensor"})
+# Post-ops oneDNN computes with max/min, which turn NaN into a bound (relu(NaN) = 0 where
+# eager gives NaN): they run fused only behind a finiteness guard (finite.py). Measured on
+# every UNARY attribute with NaN and +-inf inputs; the others keep NaN and inf as eager.
+ERASES_NAN = frozenset({"relu", "hardtanh", "hardsigmoid"})
+# Binary ops whose result a bound on both operands bounds (the guard needs one).
+ADDITIVE = frozenset({"add", "sub"})
 
 
 @dataclass(frozen=True)
@@ -399,6 +405,8 @@ def match_onednn(graph: Graph, anchor: Node, members: Sequence[Node]) -> OneDnnP
         return None
     if len(epi) == 2:
         if anchor.op != CONV or epi[1].op != "aten.relu.default" or epi[1].args[0] is not first:
+            return None
+        if attr not in ADDITIVE:  # conv * other (or / other) can be NaN with finite inputs
             return None
         return OneDnnPlan(anchor, epi[1], "relu", (), None, attr, other)
     return OneDnnPlan(anchor, first, None, (), None, attr, other)

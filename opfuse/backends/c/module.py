@@ -3,15 +3,25 @@ runnable objects (plan.Built*) for every candidate, oneDNN calls included."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ...finite import FiniteGuard, gain, largest
 from ...ir.graph import Graph, Node, bind
-from ...lower.epilogue import GemmKernel, OneDnnPlan, PackedThenKernel, _const_root
+from ...lower.epilogue import (
+    ADDITIVE,
+    ERASES_NAN,
+    GemmKernel,
+    OneDnnPlan,
+    PackedThenKernel,
+    _const_root,
+)
 from ...lower.groups import Lowered
 from ...lower.kernel import Kernel
 from ...plan import Built, BuiltCall, BuiltGemm, BuiltKernel
@@ -228,23 +238,27 @@ def _linear_call(graph: Graph, plan: OneDnnPlan) -> BuiltCall | None:
     x, weight, bias = frozen
     out_shape = plan.output.tensor.shape
     n = weight.shape[0]
+    guard = _guard(plan, weight, bias)
     weight = _packed_for_onednn(weight, x.tensor.shape[0])
     op = torch.ops.mkldnn._linear_pointwise
     if plan.binary is None:
-        attr = plan.unary or "none"
-        scalars, alg = list(plan.scalars), plan.algorithm
 
-        def call(xv: torch.Tensor) -> torch.Tensor:
-            return op(xv, weight, bias, attr, scalars, alg).view(out_shape)
+        def make(attr: str | None) -> Callable[..., torch.Tensor]:
+            scalars, alg = list(plan.scalars) if attr else [], plan.algorithm if attr else None
 
-        return BuiltCall(call, [x], plan.output)
+            def call(xv: torch.Tensor) -> torch.Tensor:
+                return op(xv, weight, bias, attr or "none", scalars, alg).view(out_shape)
+
+            return call
+
+        return BuiltCall(make(plan.unary), [x], plan.output, guard=_exact(guard, plan, make))
     assert plan.other is not None
     battr = plan.binary
 
     def call2(xv: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         return op.binary(xv, other.reshape(-1, n), weight, bias, battr).view(out_shape)
 
-    return BuiltCall(call2, [x, plan.other], plan.output)
+    return BuiltCall(call2, [x, plan.other], plan.output, guard=guard)
 
 
 def _packed_for_onednn(weight: torch.Tensor, rows: int) -> torch.Tensor:
@@ -286,7 +300,8 @@ def _conv_call(graph: Graph, plan: OneDnnPlan, channels_last: bool) -> BuiltCall
     # callers and the memory plan expect the layout the graph inferred.
     want = torch.contiguous_format if out_meta.is_contiguous() else cl
     op = torch.ops.mkldnn._convolution_pointwise
-    attr, scalars, alg = plan.unary or "none", list(plan.scalars), plan.algorithm
+    guard = _guard(plan, weight, bias)
+    shape_args: tuple[Any, ...] = (packed, bias, padding, stride, dilation, groups)
 
     def prep(t: torch.Tensor) -> torch.Tensor:
         return t.contiguous(memory_format=fmt) if fmt is not None else t
@@ -296,40 +311,82 @@ def _conv_call(graph: Graph, plan: OneDnnPlan, channels_last: bool) -> BuiltCall
 
     if plan.binary is None:
 
-        def call(xv: torch.Tensor) -> torch.Tensor:
-            return fix(
-                op(prep(xv), packed, bias, padding, stride, dilation, groups, attr, scalars, alg)
-            )
+        def make(attr: str | None) -> Callable[..., torch.Tensor]:
+            scalars, alg = list(plan.scalars) if attr else [], plan.algorithm if attr else None
 
-        return BuiltCall(call, [x], plan.output)
+            def call(xv: torch.Tensor) -> torch.Tensor:
+                return fix(op(prep(xv), *shape_args, attr or "none", scalars, alg))
+
+            return call
+
+        return BuiltCall(make(plan.unary), [x], plan.output, guard=_exact(guard, plan, make))
+
+    def make2(attr: str | None) -> Callable[..., torch.Tensor]:
+        rest: tuple[Any, ...] = (*shape_args, plan.binary, 1.0, attr, [], None)
+
+        def call2(xv: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+            return fix(op.binary(prep(xv), prep(other), *rest))
+
+        return call2
+
+    call2, guard = make2(plan.unary), _exact(guard, plan, make2)
     assert plan.other is not None
-    rest: tuple[Any, ...] = (
-        packed,
-        bias,
-        padding,
-        stride,
-        dilation,
-        groups,
-        plan.binary,
-        1.0,
-        plan.unary,
-        [],
-        None,
-    )
-
-    def call2(xv: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        return fix(op.binary(prep(xv), prep(other), *rest))
-
     if plan.binary != "add" or fmt != (cl if want is cl else None):
-        return BuiltCall(call2, [x, plan.other], plan.output)
+        return BuiltCall(call2, [x, plan.other], plan.output, guard=guard)
     # oneDNN's sum post-op accumulates into `other` itself: when the residual is dead after
     # the conv (ResNet's block tail) no output is allocated and one pass over memory saved.
     op_ = torch.ops.mkldnn._convolution_pointwise_
+    rest: tuple[Any, ...] = (*shape_args, plan.binary, 1.0, plan.unary, [], None)
 
     def call2_(xv: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         return op_.binary(other, prep(xv), *rest)
 
-    return BuiltCall(call2, [x, plan.other], plan.output, inplace=call2_, donor=1)
+    return BuiltCall(call2, [x, plan.other], plan.output, inplace=call2_, donor=1, guard=guard)
+
+
+# torch's own post-ops, for the exact path of a guarded call: NaN stays NaN
+_TORCH_POST: dict[str, Callable[..., torch.Tensor]] = {
+    "relu": lambda y: torch.relu(y),
+    "hardtanh": lambda y, lo, hi: torch.clamp(y, lo, hi),
+    "hardsigmoid": lambda y: torch.nn.functional.hardsigmoid(y),
+}
+# The bound of a post-op's output as (cap, floor): max(min(b, cap), floor) for an input
+# bounded by b. Exact for monotone clamps, whose largest |f| on [-b, b] is at an end.
+_POST_BOUND: dict[str | None, Callable[..., tuple[float, float]]] = {
+    None: lambda: (math.inf, 0.0),
+    "relu": lambda: (math.inf, 0.0),
+    "hardtanh": lambda lo, hi: (max(abs(lo), abs(hi)), max(0.0, lo, -hi)),
+    "hardsigmoid": lambda: (1.0, 1.0),
+}
+
+
+def _guard(plan: OneDnnPlan, weight: torch.Tensor, bias: torch.Tensor | None) -> FiniteGuard | None:
+    """Bounds through a oneDNN call (finite.py); None where its result has no bound from
+    its inputs' (a product or quotient with `other`)."""
+    if plan.binary not in (None, *ADDITIVE):
+        return None
+    post = _POST_BOUND.get(plan.unary)
+    return FiniteGuard(
+        gain(weight),
+        largest(bias),
+        plan.binary is not None,
+        None if post is None else post(*plan.scalars),
+    )
+
+
+def _exact(
+    guard: FiniteGuard | None, plan: OneDnnPlan, make: Callable[[str | None], Callable[..., Any]]
+) -> FiniteGuard | None:
+    """The guard of a call whose post-op erases NaN gets the exact path: `make(None)` (the
+    call without its post-op), then torch's post-op."""
+    if guard is None or plan.unary not in ERASES_NAN:
+        return guard
+    plain, post, scalars = make(None), _TORCH_POST[plan.unary], plan.scalars
+
+    def exact(*args: torch.Tensor) -> torch.Tensor:
+        return post(plain(*args), *scalars)
+
+    return dataclasses.replace(guard, exact=exact)
 
 
 def _prepack(weight: torch.Tensor, dims: int, a: dict[str, Any], in_shape: list[int]) -> Any:
