@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -17,6 +18,7 @@ from .capture import Captured, CaptureError, capture_module
 from .explain import count_kernels
 from .pipeline import CompiledGraph, Options, compile_graph, warn_once
 from .report import FusionReport, RejectReport
+from .watch import ParameterWatch
 
 
 class RecompileError(RuntimeError):
@@ -133,6 +135,14 @@ class CompiledModule(torch.nn.Module):
         self._kw_order = list(kwargs)
         self._lock = threading.Lock()
         self._dynamo: Any = None
+        self._watch: ParameterWatch | None = None
+        self._followed = False  # warned that the parameters changed
+        self._untraceable: set[tuple[Any, ...]] = set()  # signatures export cannot trace
+        # captures to compile again after parameters changed in place (their constants
+        # are the live tensors), by signature
+        self._reuse: dict[tuple[Any, ...], Captured] = {}
+        # the buffers the graphs update (eager updates the model's), shared by all entries
+        self._state: dict[str, torch.Tensor] = {}
         self._first = self._compile(args, kwargs)
 
     @property
@@ -143,7 +153,7 @@ class CompiledModule(torch.nn.Module):
     def __deepcopy__(self, memo: dict[int, Any]) -> CompiledModule:
         """An independent copy (EMA weights, trainers that copy their model): the model and
         the buffers the graphs update are copied; the compiled kernels, which hold ctypes
-        functions and change nothing, are shared."""
+        functions and change nothing, are shared until a parameter of either changes."""
         new = CompiledModule.__new__(CompiledModule)
         torch.nn.Module.__init__(new)
         new.__dict__["_model"] = copy.deepcopy(self.__dict__["_model"], memo)
@@ -152,12 +162,18 @@ class CompiledModule(torch.nn.Module):
         new._kw_order = list(self._kw_order)
         new._lock, new._dynamo = threading.Lock(), None
         new._entries = {}
+        new._state = {k: v.clone() for k, v in self._state.items()}
         for sig, e in self._entries.items():
-            state = {k: v.clone() for k, v in e.captured.state.items()}
+            state = {k: new._state[k] for k in e.captured.state}
             entry = _Entry(dataclasses.replace(e.captured, state=state), e.compiled, e.report)
             new._entries[sig] = entry
             if e is self._first:
                 new._first = entry
+        new._reuse, new._followed = {}, False
+        new._untraceable = set(self._untraceable)
+        # The shared kernels read this module's weights, equal to the copy's until either
+        # changes: then the copy compiles from its own.
+        new._watch = ParameterWatch(new.__dict__["_model"], self._frozen(), borrowed=True)
         return new
 
     def _flat(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
@@ -169,7 +185,10 @@ class CompiledModule(torch.nn.Module):
 
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Entry:
         model = self.__dict__["_model"]
-        captured = capture_module(model, args, kwargs)
+        sig = _signature(self._flat(args, kwargs))
+        captured = self._reuse.pop(sig, None) or capture_module(model, args, kwargs)
+        for k, v in captured.state.items():
+            captured.state[k] = self._state.setdefault(k, v)
         compiled: CompiledGraph | None
         try:
             compiled = compile_graph(captured.graph, self._options, captured.eager_kernels)
@@ -179,10 +198,49 @@ class CompiledModule(torch.nn.Module):
             warn_once(message)
             compiled, report = None, FusionReport(warnings=[message])
         entry = _Entry(captured, compiled, report)
-        self._entries[_signature(self._flat(args, kwargs))] = entry
+        if not self._entries:
+            self._first = entry
+        self._entries[sig] = entry
+        self._watch = ParameterWatch(model, self._frozen())
         return entry
 
+    def _frozen(self) -> dict[str, torch.Tensor]:
+        return {k: v for e in self._entries.values() for k, v in e.captured.frozen.items()}
+
+    def refresh(self) -> None:
+        """Compile again from the model's live parameters and buffers on the next call.
+        Changes made through torch are seen by themselves; this is for writes that bypass
+        torch's version counters (`p.data.add_()`, through numpy)."""
+        with self._lock:
+            self._invalidate(recapture=True)
+
+    def _invalidate(self, recapture: bool) -> None:
+        self._reuse = {} if recapture else {s: e.captured for s, e in self._entries.items()}
+        self._entries = {}
+        self._watch = None
+
+    def _follow_parameters(self) -> None:
+        """The model's parameters changed since the compile: compile again from them."""
+        with self._lock:
+            watch = self._watch
+            why = watch.changed() if watch is not None else None
+            if watch is None or why is None:
+                return  # another thread got here first
+            if not self._followed:  # once per compiled module: a training loop's evals
+                self._followed = True
+                warnings.warn(
+                    f"opfuse: {why} since the model was compiled; compiling again from the "
+                    "live values (a compiled module follows its parameters, as torch.compile "
+                    "does)",
+                    RuntimeWarning,
+                    stacklevel=5,
+                )
+            self._invalidate(recapture=watch.borrowed or watch.replaced())
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        watch = self._watch
+        if watch is not None and watch.changed() is not None:
+            self._follow_parameters()
         leaves = self._flat(args, kwargs)
         if torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in leaves
@@ -211,7 +269,18 @@ class CompiledModule(torch.nn.Module):
                             "raise cache_limit"
                         )
                         return self._through_dynamo(*args, **kwargs)
-                    entry = self._compile(args, kwargs)
+                    if sig in self._untraceable:
+                        return self._through_dynamo(*args, **kwargs)
+                    try:
+                        entry = self._compile(args, kwargs)
+                    except CaptureError as e:
+                        # as for the first compile: torch.compile runs what export cannot
+                        # trace (data-dependent control flow at these sizes), and raises
+                        # a model's own exception as the model does
+                        self._untraceable.add(sig)
+                        first = str(e).splitlines()[0]
+                        warn_once(f"opfuse: {first}; these inputs run through torch.compile")
+                        return self._through_dynamo(*args, **kwargs)
         if entry.compiled is None:
             return self._through_dynamo(*args, **kwargs)
         cap = entry.captured

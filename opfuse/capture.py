@@ -62,6 +62,8 @@ class Captured:
     state: dict[str, torch.Tensor] = field(default_factory=dict)  # private mutable buffers
     scalar_inputs: dict[int, Any] = field(default_factory=dict)  # user leaf k -> value
     eager_kernels: int | None = None  # compute ops eager runs (before decomposition)
+    # The model's tensors the graph holds as constants, by qualified name (watch.py)
+    frozen: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 # -- eval-mode capture through torch.export ------------------------------------------
@@ -117,6 +119,7 @@ def capture_module(
     placeholders: dict[str, Any] = {}
     input_roles: list[tuple[str, Any]] = []
     state: dict[str, torch.Tensor] = {}
+    frozen: dict[str, torch.Tensor] = {}
     user_k = 0
     scalar_inputs: dict[int, Any] = {}
     for spec in sig.input_specs:
@@ -138,8 +141,10 @@ def capture_module(
                 placeholders[name] = ("input", ("state", target))
             else:
                 placeholders[name] = ("constant", (_strip(target), tensor.detach()))
+                frozen[_strip(target)] = tensor
         elif spec.kind == InputKind.CONSTANT_TENSOR:
             placeholders[name] = ("constant", (_strip(spec.target), consts[spec.target]))
+            frozen[_strip(spec.target)] = consts[spec.target]
         else:
             raise CaptureError(f"unsupported graph input kind {spec.kind}")
 
@@ -161,7 +166,9 @@ def capture_module(
             output_roles.append(("input", k))
         else:
             raise CaptureError(f"unsupported graph output kind {spec.kind}")
-    return Captured(graph, output_roles, box[-1], input_roles, state, scalar_inputs, eager_kernels)
+    return Captured(
+        graph, output_roles, box[-1], input_roles, state, scalar_inputs, eager_kernels, frozen
+    )
 
 
 def _decompose_functional(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:

@@ -216,6 +216,40 @@ def test_untraceable_model_falls_back_and_stays_correct() -> None:
         torch.testing.assert_close(fast(x), m(x))
 
 
+def test_a_recompile_export_cannot_trace_falls_back_like_the_first_compile() -> None:
+    class Branchy(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] > 4 and x.sum() > 0:  # data-dependent only at larger batches
+                return x * 2
+            return x + 1
+
+    m = Branchy().eval()
+    fast = opfuse.compile(m, (torch.randn(2, 3),))
+    with pytest.warns(RuntimeWarning, match="these inputs run through torch.compile"):
+        out = fast(torch.ones(8, 3))
+    torch.testing.assert_close(out, m(torch.ones(8, 3)))
+    for x in (torch.ones(8, 3), -torch.ones(8, 3), torch.randn(2, 3)):  # no second warning
+        torch.testing.assert_close(fast(x), m(x))
+
+
+def test_a_models_own_exception_at_a_new_shape_comes_back_as_its_own() -> None:
+    class Picky(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.shape[0] == 5:
+                raise ValueError("a batch of five is not allowed")
+            return x + 1
+
+    fast = opfuse.compile(Picky().eval(), (torch.randn(2, 3),))
+    with (
+        pytest.warns(RuntimeWarning, match="torch.compile"),
+        pytest.raises(ValueError, match="a batch of five is not allowed"),
+    ):
+        fast(torch.ones(5, 3))
+    with pytest.raises(ValueError, match="a batch of five is not allowed"):
+        fast(torch.ones(5, 3))
+    torch.testing.assert_close(fast(torch.ones(2, 3)), torch.full((2, 3), 2.0))
+
+
 def test_data_dependent_shape_falls_back_and_stays_correct() -> None:
     class Unique(nn.Module):  # export traces it, with an unbacked size: no static kernel
         def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,173 @@
+"""A compiled module follows its model's live parameters (as torch.compile does): every
+change torch can see sends the next call through a new compile, and every path (folded,
+prepacked, read in place, autograd, new shapes) then computes with the new values."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+
+import opfuse
+from tests.conftest import assert_matches_eager
+
+
+class Net(nn.Module):
+    """Weights every way a compile uses them: a conv with BatchNorm folded into it, a
+    linear packed for the GEMM library, a tensor attribute and a buffer read in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8 * 6 * 6, 10)
+        self.scale = torch.rand(10) + 0.5  # a plain tensor attribute
+        self.register_buffer("shift", torch.randn(10))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn(self.conv(x)))
+        return self.fc(y.flatten(1)) * self.scale + self.shift
+
+
+def _net() -> tuple[Net, torch.Tensor]:
+    torch.manual_seed(0)
+    m = Net().eval()
+    m.bn.running_mean.uniform_(-1, 1)
+    m.bn.running_var.uniform_(0.5, 2)
+    return m, torch.randn(4, 3, 6, 6)
+
+
+def _compiles(fast: Any) -> int:
+    return len(fast._entries)
+
+
+CHANGES = {
+    "add_ under no_grad": lambda m: m.conv.weight.add_(0.5),
+    "bn statistics": lambda m: m.bn.running_var.mul_(3.0),
+    "tensor attribute": lambda m: m.scale.mul_(-1.0),
+    "buffer": lambda m: m.shift.fill_(2.0),
+    "load_state_dict": lambda m: m.load_state_dict(_net()[0].state_dict() | _doubled(m)),
+    "assign a new Parameter": lambda m: setattr(m.fc, "weight", nn.Parameter(m.fc.weight * 2)),
+    "p.data = t": lambda m: setattr(m.fc.weight, "data", m.fc.weight.detach() * 2),
+    "load_state_dict(assign=True)": lambda m: m.load_state_dict(
+        _doubled(m), strict=False, assign=True
+    ),
+}
+
+
+def _doubled(m: nn.Module) -> dict[str, torch.Tensor]:
+    return {"fc.weight": m.fc.weight.detach() * 2, "conv.bias": m.conv.bias.detach() + 1}
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_a_changed_parameter_reaches_every_path(change: str) -> None:
+    m, x = _net()
+    fast = opfuse.compile(m, (x,))
+    assert_matches_eager(m, fast(x), (x,))
+    with torch.no_grad():
+        CHANGES[change](m)
+    with pytest.warns(RuntimeWarning, match="since the model was compiled"):
+        out = fast(x)
+    assert_matches_eager(m, out, (x,))
+    assert _compiles(fast) == 1
+    assert_matches_eager(m, fast(x), (x,))  # no further compile: nothing changed since
+    # a new shape and the autograd path see the same weights
+    x2 = torch.randn(2, 3, 6, 6)
+    assert_matches_eager(m, fast(x2), (x2,))
+    xg = x.clone().requires_grad_()
+    torch.testing.assert_close(fast(xg), m(xg))
+
+
+def test_an_optimizer_step_reaches_every_path() -> None:
+    m, x = _net()
+    fast = opfuse.compile(m, (x,))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    for step in range(3):
+        m.train()
+        m(torch.randn(4, 3, 6, 6)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        m.eval()
+        if step == 0:  # warned once per compiled module
+            with pytest.warns(RuntimeWarning, match="modified in place"):
+                out = fast(x)
+        else:
+            out = fast(x)
+        assert_matches_eager(m, out, (x,))
+
+
+def test_nothing_changed_compiles_once_and_the_check_is_cheap() -> None:
+    m, x = _net()
+    fast = opfuse.compile(m, (x,))
+    first = fast._first
+    for _ in range(3):
+        fast(x)
+    assert fast._first is first and _compiles(fast) == 1
+    assert fast._watch is not None and fast._watch.changed() is None
+    assert len(fast._watch.tensors) == len(m.state_dict()) + 1  # + the tensor attribute
+
+
+def test_writes_that_bypass_version_counters_need_refresh() -> None:
+    m, x = _net()
+    fast = opfuse.compile(m, (x,))
+    fast(x)
+    m.fc.weight.data.mul_(2.0)  # .data has a version counter of its own: unseen
+    assert fast._watch is not None and fast._watch.changed() is None
+    fast.refresh()
+    assert_matches_eager(m, fast(x), (x,))
+
+
+def test_a_deep_copy_computes_with_its_own_weights() -> None:
+    m, x = _net()
+    fast = opfuse.compile(m, (x,))
+    ref = fast(x).clone()
+    twin = copy.deepcopy(fast)
+    with torch.no_grad():
+        twin._model.fc.weight.mul_(3.0)  # an EMA update of the copy
+    with pytest.warns(RuntimeWarning, match="fc.weight was modified in place"):
+        out = twin(x)
+    assert_matches_eager(twin._model, out, (x,))
+    torch.testing.assert_close(fast(x), ref)  # the original is untouched
+    assert_matches_eager(m, fast(x), (x,))
+    # and the copy's shared kernels follow a change of the original's weights
+    twin2 = copy.deepcopy(fast)
+    with torch.no_grad():
+        m.conv.weight.mul_(2.0)
+    with pytest.warns(RuntimeWarning, match="copied from"):
+        out = twin2(x)
+    assert_matches_eager(twin2._model, out, (x,))
+    with pytest.warns(RuntimeWarning, match="conv.weight was modified in place"):
+        assert_matches_eager(m, fast(x), (x,))
+
+
+class Counter(nn.Module):
+    """Updates a buffer in place on every call (eager mutates the model's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        return self.lin(x) * self.calls
+
+
+def test_an_updated_buffer_is_one_state_across_shapes_and_recompiles() -> None:
+    torch.manual_seed(0)
+    m = Counter().eval()
+    ref = copy.deepcopy(m)
+    fast = opfuse.compile(m, (torch.randn(2, 4),))
+    for n in (2, 3, 2, 5):
+        x = torch.randn(n, 4)
+        torch.testing.assert_close(fast(x), ref(x))
+    with torch.no_grad():
+        m.lin.weight.add_(1.0)
+        ref.lin.weight.add_(1.0)
+    x = torch.randn(3, 4)
+    with pytest.warns(RuntimeWarning, match="modified in place"):
+        torch.testing.assert_close(fast(x), ref(x))
+    assert float(m.calls) == 0  # the caller's module is not modified
