@@ -437,8 +437,8 @@ def test_kernels_build_as_parallel_units_into_one_library(
     assert [lib.fn(f"k{i}")(None, 2) for i in range(5)] == [0, 3, 6, 9, 12]
     assert not lib.cached and build.build(pieces, header).cached
     assert not list(fresh_cache.glob("tmp*"))  # units and objects removed
-    with pytest.raises(build.BuildError, match="failed"):
-        build.build([*pieces[:2], "int broken(void *a, int n) { return }"], header)
+    partial = build.build([*pieces[:2], "int broken(void *a, int n) { return }"], header)
+    assert partial.rejected == [2] and partial.fn("k1")(None, 2) == 3
     assert not list(fresh_cache.glob("tmp*"))
 
     def no_process(*args: Any, **kwargs: Any) -> Any:
@@ -448,3 +448,123 @@ def test_kernels_build_as_parallel_units_into_one_library(
     with pytest.raises(build.BuildError, match="could not run"):
         build.build([*pieces, "int k9(void *a, int n) { return 9; }"], header)
     assert not list(fresh_cache.glob("tmp*"))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def _fake_cc(tmp_path: Path, answers_version: bool) -> tuple[Path, Path]:
+    """A compiler that hangs (after starting a child of its own, as gcc starts cc1),
+    optionally after answering --version; it logs its children's pids."""
+    log = tmp_path / "children"
+    cc = tmp_path / ("hangs-on-build" if answers_version else "hangs")
+    version = (
+        'if [ "$1" = --version ]; then echo fakecc 1.0; exit 0; fi\n' if answers_version else ""
+    )
+    cc.write_text(f"#!/bin/sh\n{version}sleep 1000 &\necho $! >> {log}\nwait\n")
+    cc.chmod(0o755)
+    return cc, log
+
+
+@pytest.mark.parametrize("answers_version", [False, True])
+def test_a_hanging_compiler_costs_its_timeout_once_and_leaves_no_process(
+    monkeypatch: pytest.MonkeyPatch, fresh_cache: Path, tmp_path: Path, answers_version: bool
+) -> None:
+    import time
+
+    cc, log = _fake_cc(tmp_path, answers_version)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setattr(build, "_broken", {})
+    monkeypatch.setattr(build, "PROBE_TIMEOUT", 1.0)
+    monkeypatch.setattr(build, "BUILD_TIMEOUT", 1.0)
+    m, args = model(), inputs()
+    t0 = time.perf_counter()
+    with pytest.warns(RuntimeWarning, match="could not be built.*hung"):
+        fast = opfuse.compile(m, args)
+    assert time.perf_counter() - t0 > 1.0
+    assert [g.pattern for g in fast.report.groups] == ["fallback"]
+    assert_matches_eager(m, fast(*args), args)
+    started = log.read_text().split()
+    assert started and not any(_alive(int(p)) for p in started)  # the whole group killed
+    pipeline._warned.clear()
+    t0 = time.perf_counter()
+    with pytest.warns(RuntimeWarning, match="could not be built.*hung"):
+        again = opfuse.compile(m, (args[0] + 1, args[1]))  # a new graph, no new attempt
+    assert time.perf_counter() - t0 < 1.0
+    assert log.read_text().split() == started
+    assert_matches_eager(m, again(args[0] + 1, args[1]), (args[0] + 1, args[1]))
+
+
+def two_kernels_and_a_matmul() -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
+    m = Fn(lambda x, w, y: (torch.relu(x * 2) @ w, torch.tanh(y) + 1)).eval()
+    return m, (torch.randn(8, 16), torch.randn(16, 4), torch.randn(8, 4))
+
+
+def test_a_library_that_does_not_load_falls_back_kernel_by_kernel(
+    monkeypatch: pytest.MonkeyPatch, fresh_cache: Path, tmp_path: Path
+) -> None:
+    cc = tmp_path / "garbage-cc"  # "builds" a file the loader refuses
+    cc.write_text(
+        '#!/bin/sh\nif [ "$1" = --version ]; then echo garbage 1.0; exit 0; fi\n'
+        'while [ $# -gt 0 ]; do if [ "$1" = -o ]; then echo junk > "$2"; fi; shift; done\n'
+    )
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setattr(build, "_broken", {})
+    m, args = two_kernels_and_a_matmul()
+    with pytest.warns(RuntimeWarning, match="do not load"):
+        fast = opfuse.compile(m, args)
+    assert "fallback" in [g.pattern for g in fast.report.groups]
+    assert "library" in [g.pattern for g in fast.report.groups]  # the matmul still runs
+    assert_matches_eager(m, fast(*args), args)
+
+
+def test_a_kernel_the_compiler_rejects_runs_with_torch_alone(
+    monkeypatch: pytest.MonkeyPatch, fresh_cache: Path
+) -> None:
+    from opfuse.backends.c import module
+
+    real = module.render_module
+
+    def one_broken(named: Any) -> str:
+        text = real(named)
+        return text + "\n#error rejected\n" if "tanh" in named[0][0] else text
+
+    monkeypatch.setattr(module, "render_module", one_broken)
+    m, args = two_kernels_and_a_matmul()
+    with pytest.warns(
+        RuntimeWarning, match="1 of 3 kernels could not be built .*fused_tanh_add.*#error rejected"
+    ):
+        fast = opfuse.compile(m, args)
+    patterns = {g.ops[0].split(".")[1]: g.pattern for g in fast.report.groups}
+    assert patterns["mul"] == "elementwise" and patterns["tanh"] == "fallback", patterns
+    assert_matches_eager(m, fast(*args), args)
+
+
+def test_build_leaves_out_only_the_pieces_the_compiler_rejects(fresh_cache: Path) -> None:
+    pieces = [f"int k{i}(void *a, int n) {{ (void)a; return n * {i}; }}" for i in range(3)]
+    lib = build.build([pieces[0], "int broken(void) { return }", pieces[2]])
+    assert lib.rejected == [1] and "error: expected expression" in lib.problem
+    assert lib.fn("k0")(None, 2) == 0 and lib.fn("k2")(None, 2) == 4
+    with pytest.raises(build.BuildError, match="failed"):
+        build.build(["int broken(void) { return }"])
+
+
+def test_an_unusable_cache_directory_warns_about_the_cache_and_still_builds(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("OPFUSE_CACHE_DIR", str(blocker / "cache"))  # cannot be created
+    build._scratch_cache.cache_clear()
+    m, args = model(), inputs()
+    with pytest.warns(RuntimeWarning, match="kernel cache .* cannot be used") as seen:
+        fast = opfuse.compile(m, args)
+    assert not any("compiler" in str(w.message) for w in seen)
+    assert [g.pattern for g in fast.report.groups] == ["elementwise"]
+    assert_matches_eager(m, fast(*args), args)

@@ -10,18 +10,22 @@ rename it into place, so two processes compiling the same kernels at once both s
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import functools
 import hashlib
 import os
 import platform
 import shutil
+import signal
 import stat
 import subprocess
 import tempfile
 import threading
+import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .prelude import MVEC_235, MVEC_BASE, build_prelude
@@ -33,6 +37,15 @@ class BuildError(RuntimeError):
 
 class UnsafeCacheError(BuildError):
     """The cache directory or a cached file can be written by another user."""
+
+
+class Rejected(BuildError):
+    """The compiler ran and rejected the source (a kernel it cannot compile)."""
+
+
+# Compilers that could not run or hung, by path, for the life of the process: each would
+# cost its timeout again on every compile (a hanging CC: 30 s per probe, 120 s per build).
+_broken: dict[str, BuildError] = {}
 
 
 @dataclass(frozen=True)
@@ -67,15 +80,41 @@ _BASE_FLAGS = (
 )
 
 
-def _run(cmd: list[str], timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+# Seconds a compiler may take: to print its version, and to build a library.
+PROBE_TIMEOUT = 30.0
+BUILD_TIMEOUT = 120.0
+
+
+def _run(cmd: list[str], timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+    """Run a compiler in a process group of its own: on a timeout the whole group (cc1,
+    as, a wrapper script's children) is killed, not only the process we started."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout or BUILD_TIMEOUT)
+    except BaseException:
+        _kill_group(proc)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.kill()
+    proc.communicate()  # reap it; its pipes closed with the group
 
 
 @functools.lru_cache(maxsize=8)
 def _probe(cc: str) -> Toolchain:
     try:
-        out = _run([cc, "--version"], timeout=30)
-    except (OSError, subprocess.TimeoutExpired) as e:
+        out = _run([cc, "--version"], timeout=PROBE_TIMEOUT)
+    except subprocess.TimeoutExpired as e:
+        raise BuildError(
+            f"C compiler {cc!r} hung: no answer to --version in {e.timeout:g} s"
+        ) from e
+    except OSError as e:
         raise BuildError(f"C compiler {cc!r} cannot run: {e}") from e
     if out.returncode != 0:
         raise BuildError(f"C compiler {cc!r} failed: {out.stderr.strip()[:200]}")
@@ -118,31 +157,67 @@ def _check_openmp(tc: Toolchain) -> None:
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "probe.c"
         src.write_text(tc.prelude + "int probe(void) { return omp_get_max_threads(); }\n")
-        out = _run([tc.cc, *tc.flags, str(src), "-o", str(Path(d) / "probe.so"), *tc.libs])
+        try:
+            out = _run([tc.cc, *tc.flags, str(src), "-o", str(Path(d) / "probe.so"), *tc.libs])
+        except subprocess.TimeoutExpired as e:
+            raise BuildError(f"{tc.cc} hung building a test program ({e.timeout:g} s)") from e
+        except OSError as e:
+            raise BuildError(f"{tc.cc} cannot build: {e}") from e
         if out.returncode != 0:
             raise BuildError(f"{tc.cc} cannot build OpenMP code: {out.stderr.strip()[:300]}")
 
 
 def toolchain() -> Toolchain:
-    """The compiler opfuse uses: $CC, else cc/gcc on PATH. Raises BuildError if none."""
+    """The compiler opfuse uses: $CC, else cc/gcc on PATH. Raises BuildError if none, or
+    if it failed or hung before in this process."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not cc:
         raise BuildError("no C compiler found (set CC or install gcc)")
     path = shutil.which(cc)
     if path is None:
         raise BuildError(f"C compiler {cc!r} not found")
-    return _probe(path)
+    if path in _broken:
+        raise _broken[path]
+    try:
+        return _probe(path)
+    except BuildError as e:
+        _broken[path] = e
+        raise
 
 
 def cache_dir() -> Path:
+    """The kernel cache. One that cannot be created or written (a read-only home) is
+    replaced, for this process, by a private temporary directory, with a warning: the
+    kernels still build, they are only not kept."""
     root = os.environ.get("OPFUSE_CACHE_DIR")
     if root:
         d = Path(root)
     else:
         xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         d = Path(xdg) / "opfuse"
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
-    _check_private(d)
+    try:
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        writable = os.access(d, os.W_OK | os.X_OK)
+    except OSError as e:
+        writable, why = False, str(e)
+    else:
+        why = "not writable"
+    if writable:
+        _check_private(d)
+        return d
+    return _scratch_cache(str(d), why)
+
+
+@functools.cache
+def _scratch_cache(wanted: str, why: str) -> Path:
+    warnings.warn(
+        f"opfuse: the kernel cache {wanted} cannot be used ({why}); kernels are built in a "
+        "temporary directory and not kept. Set OPFUSE_CACHE_DIR to a writable directory",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    d = Path(tempfile.mkdtemp(prefix="opfuse-cache-"))  # created 0700
+    atexit.register(shutil.rmtree, d, ignore_errors=True)
     return d
 
 
@@ -170,8 +245,10 @@ class Library:
     """A loaded shared library of kernels: `fn(name)` gives a ctypes function."""
 
     path: Path
-    handle: ctypes.CDLL
+    handle: ctypes.CDLL | None  # None: every piece was rejected
     cached: bool  # True when it came from the disk cache rather than a fresh build
+    rejected: list[int] = field(default_factory=list)  # pieces the compiler refused
+    problem: str = ""  # why (the compiler's first line)
 
     def fn(self, name: str) -> ctypes._CFuncPtr:  # type: ignore[name-defined]
         f = getattr(self.handle, name)
@@ -183,8 +260,36 @@ class Library:
 def build(pieces: Sequence[str], header: str = "") -> Library:
     """Compile kernel code (without the prelude) into a loaded library: each piece is
     self-contained given the prelude and `header`, so pieces may go to separate
-    translation units compiled in parallel."""
+    translation units compiled in parallel. Pieces the compiler rejects are left out
+    (`Library.rejected`) and the rest is built; a compiler that cannot run or hangs, or a
+    library that does not load, raises BuildError."""
     tc = toolchain()
+    try:
+        return _build(tc, list(pieces), header)
+    except Rejected as e:
+        if len(pieces) == 1:
+            raise
+        first = e
+    rejected = [i for i, p in enumerate(pieces) if not _compiles(tc, header, p)]
+    if not rejected:
+        raise first  # only together: nothing to leave out
+    keep = [p for i, p in enumerate(pieces) if i not in rejected]
+    lib = _build(tc, keep, header) if keep else None
+    return Library(
+        lib.path if lib else Path(),
+        lib.handle if lib else None,
+        lib.cached if lib else False,
+        rejected=rejected,
+        problem=_first_error(str(first)),
+    )
+
+
+def _first_error(message: str) -> str:
+    lines = message.splitlines()
+    return next((ln.strip() for ln in lines if "error" in ln), lines[0] if lines else "")
+
+
+def _build(tc: Toolchain, pieces: list[str], header: str) -> Library:
     parts = [tc.prelude + header, *pieces]
     key = hashlib.sha256((tc.fingerprint + "\0" + "\0".join(parts)).encode()).hexdigest()[:40]
     d = cache_dir()
@@ -194,8 +299,23 @@ def build(pieces: Sequence[str], header: str = "") -> Library:
         lib = _load_cached(so, sig)
         if lib is not None:
             return lib
-        _compile(tc, parts[0], list(pieces), d, so, sig)
-        return Library(so, ctypes.CDLL(str(so)), cached=False)
+        _compile(tc, parts[0], pieces, d, so, sig)
+        try:
+            return Library(so, ctypes.CDLL(str(so)), cached=False)
+        except OSError as e:  # built, but the loader refuses it
+            raise BuildError(f"the kernels built by {tc.cc} do not load: {e}") from e
+
+
+def _compiles(tc: Toolchain, header: str, piece: str) -> bool:
+    """Does this piece alone compile (to an object, not kept)?"""
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "piece.c"
+        src.write_text(tc.prelude + header + piece)
+        try:
+            out = _run([tc.cc, *tc.flags, "-c", str(src), "-o", str(Path(d) / "piece.o")])
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise BuildError(f"{tc.cc} could not run: {e}") from e
+        return out.returncode == 0
 
 
 def _load_cached(so: Path, sig: Path) -> Library | None:
@@ -214,7 +334,10 @@ def _load_cached(so: Path, sig: Path) -> Library | None:
 def _compile(tc: Toolchain, head: str, pieces: list[str], d: Path, so: Path, sig: Path) -> None:
     try:
         _compile_units(tc, head, pieces, d, so, sig)
-    except (OSError, subprocess.TimeoutExpired) as e:  # no process, or one that hangs
+    except subprocess.TimeoutExpired as e:  # a compiler that hangs: not again this process
+        _broken[tc.cc] = BuildError(f"{tc.cc} hung on a build: no answer in {e.timeout:g} s")
+        raise _broken[tc.cc] from e
+    except OSError as e:  # no process (a transient fork failure is no reason to give up)
         raise BuildError(f"{tc.cc} could not run: {e}") from e
 
 
@@ -237,24 +360,25 @@ def _compile_units(
             # gcc takes one core: the units compile side by side, then link (ResNet-50 b8's
             # kernels, 2 cores: 0.45 -> 0.27 s)
             objs = [w[:-2] + ".o" for w in written]
-            procs = [
-                subprocess.Popen(
-                    [tc.cc, *tc.flags, "-c", w, "-o", o],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-                for w, o in zip(written, objs, strict=True)
-            ]
+            procs: list[subprocess.Popen[str]] = []
             try:
+                for w, o in zip(written, objs, strict=True):
+                    procs.append(
+                        subprocess.Popen(
+                            [tc.cc, *tc.flags, "-c", w, "-o", o],
+                            stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE,
+                            text=True,
+                            start_new_session=True,  # killed as a group (see _run)
+                        )
+                    )
                 for proc in procs:
-                    _, err = proc.communicate(timeout=120)
+                    _, err = proc.communicate(timeout=BUILD_TIMEOUT)
                     _check(tc, subprocess.CompletedProcess(proc.args, proc.returncode, "", err))
             finally:
                 for proc in procs:
                     if proc.poll() is None:
-                        proc.kill()
-                        proc.wait()
+                        _kill_group(proc)
             _check(tc, _run([tc.cc, *tc.flags, *objs, "-o", tmp_so, *tc.libs]))
         os.chmod(tmp_so, 0o700)
         digest = _digest(Path(tmp_so))
@@ -274,7 +398,7 @@ def _compile_units(
 
 def _check(tc: Toolchain, out: subprocess.CompletedProcess[str]) -> None:
     if out.returncode != 0:
-        raise BuildError(f"{tc.cc} failed:\n{out.stderr.strip()[:2000]}")
+        raise Rejected(f"{tc.cc} failed:\n{out.stderr.strip()[:2000]}")
 
 
 # Below this much kernel text a second unit costs more (the prelude parsed again, a link)

@@ -96,12 +96,22 @@ def build_module(graph: Graph, lowered: Lowered) -> Module:
             sig.append(f"{cname}:{text}")
         mod.signatures[gid] = sig
     lib = None
+    missing: set[str] = set()  # kernels the compiler rejected: their groups run with torch
     if kernels or gemms:
         try:
             lib = build(pieces, header)
             mod.cached = lib.cached
         except BuildError as e:
             mod.problem = f"opfuse: kernels could not be built, running those ops with torch ({e})"
+        if lib is not None and lib.rejected:
+            defined = list(first.values())
+            missing = {defined[i] for i in lib.rejected}
+            mod.problem = (
+                f"opfuse: {len(missing)} of {len(defined)} kernels could not be built "
+                f"({', '.join(sorted(missing))}), running those ops with torch ({lib.problem})"
+            )
+            if lib.handle is None:
+                lib = None
     b = blas()
     for gid, cands in lowered.candidates.items():
         makers: dict[str, Make] = {}
@@ -111,7 +121,7 @@ def build_module(graph: Graph, lowered: Lowered) -> Module:
                 makers[cname] = _torch_runs
             elif isinstance(c, OneDnnPlan):
                 makers[cname] = functools.partial(_make_library_call, graph, c, cname)
-            elif lib is None:
+            elif lib is None or name in missing:
                 continue
             elif isinstance(c, Kernel):
                 makers[cname] = functools.partial(BuiltKernel, c, lib.fn(name))
