@@ -16,6 +16,7 @@ import os
 import platform
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -359,12 +360,9 @@ def _store() -> Path | None:
 
 def load_decision(key: str) -> Decision | None:
     path = _store()
-    if path is None or not path.exists():
+    if path is None:
         return None
-    try:
-        d = json.loads(path.read_text()).get(key)
-    except (OSError, ValueError):
-        return None
+    d = _read_store(path).get(key)
     return Decision(d["choice"], d["seconds"], cached=True) if d else None
 
 
@@ -372,15 +370,61 @@ def save_decision(key: str, d: Decision) -> None:
     path = _store()
     if path is None:
         return
-    try:
-        data = json.loads(path.read_text()) if path.exists() else {}
-    except (OSError, ValueError):
-        data = {}
+    data = _read_store(path)  # bad entries are not written back
     data[key] = {"choice": d.choice, "seconds": d.seconds}
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f)
-    os.replace(tmp, path)  # concurrent writers: last one wins, the file stays valid
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)  # concurrent writers: last one wins, the file stays valid
+    except OSError as e:  # the decision is only not remembered
+        _warn_store_once(path, f"cannot be written ({e}): decisions are not remembered")
+
+
+def _read_store(path: Path) -> dict[str, Any]:
+    """The valid entries of the decisions file. A file that is no JSON object, and
+    entries of another shape, are ignored with one warning and left out of the next save:
+    a damaged file must not stop tuning (or compiling) for good."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        _warn_store_once(path, f"is not readable JSON ({type(e).__name__}){_REDO}")
+        return {}
+    if not isinstance(data, dict):
+        _warn_store_once(path, f"holds a {type(data).__name__}, not an object{_REDO}")
+        return {}
+    good = {k: v for k, v in data.items() if _valid_entry(v)}
+    if len(good) != len(data):
+        _warn_store_once(path, f"has {len(data) - len(good)} malformed entries{_REDO}")
+    return good
+
+
+def _valid_entry(v: Any) -> bool:
+    return (
+        isinstance(v, dict)
+        and isinstance(v.get("choice"), str)
+        and isinstance(v.get("seconds"), dict)
+        and all(
+            isinstance(k, str) and isinstance(t, (int, float)) and not isinstance(t, bool)
+            for k, t in v["seconds"].items()
+        )
+    )
+
+
+_REDO = ": ignored, the tuner measures again and rewrites it"
+_store_warned: set[str] = set()
+
+
+def _warn_store_once(path: Path, what: str) -> None:
+    if str(path) not in _store_warned:
+        _store_warned.add(str(path))
+        warnings.warn(
+            f"opfuse: the decision cache {path} {what}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
 
 def choose(

@@ -208,3 +208,43 @@ def test_candidates_timed_one_at_a_time_get_a_second_round(clock: Clock) -> None
     assert turns == {"a": 2, "b": 1}  # b led the first round: its time can only be high
     assert got == pytest.approx({"a": 0.010, "b": 0.012})
     assert autotune.pick(got) == "a"
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "[]",
+        "[1, 2, 3]",
+        "not json {",
+        '{"k": 5}',
+        '{"k": {"choice": 3, "seconds": {}}}',
+        '{"k": {"choice": "unfused", "seconds": {"unfused": "fast"}}}',
+        '{"k": {"choice": "unfused"}}',
+    ],
+)
+def test_a_damaged_decision_cache_is_ignored_with_one_warning_and_rewritten(
+    content: str, fresh_cache: Any
+) -> None:
+    import json
+
+    import torch
+
+    import opfuse
+    from tests.conftest import Fn, assert_matches_eager
+
+    fresh_cache.mkdir(parents=True)
+    store = fresh_cache / "decisions.json"
+    store.write_text(content)
+    autotune._store_warned.clear()
+    m = Fn(lambda x: torch.relu(x @ x.t() + 1) * 2).eval()  # a GEMM group: tuned
+    x = torch.randn(64, 64)
+    with pytest.warns(RuntimeWarning, match="decision cache .* ignored") as seen:
+        fast = opfuse.compile(m, (x,))
+    assert sum("decision cache" in str(w.message) for w in seen) == 1
+    assert [g.pattern for g in fast.report.groups] == ["gemm_epilogue"]  # not torch
+    assert_matches_eager(m, fast(x), (x,))
+    data = json.loads(store.read_text())
+    assert isinstance(data, dict) and all(autotune._valid_entry(v) for v in data.values())
+    assert len(data) >= 1
+    again = opfuse.compile(m, (x,))  # the rewritten file serves the next compile, quietly
+    assert "cached decision" in again.report.groups[0].implementation
