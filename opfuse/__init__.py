@@ -15,12 +15,13 @@ __version__ = "0.1.0"
 
 
 def _configure_logging() -> None:
-    """OPFUSE_LOG=fusion (or autotune, build, all): log those decisions to stderr."""
+    """OPFUSE_LOG=fusion (or autotune, triton, all; comma-separated): log those decisions
+    to stderr."""
     import logging
-    import os
 
-    wanted = [w.strip() for w in os.environ.get("OPFUSE_LOG", "").split(",") if w.strip()]
-    for w in wanted:
+    from .settings import names
+
+    for w in names("OPFUSE_LOG", ("fusion", "autotune", "triton", "all")):
         logger = logging.getLogger("opfuse" if w == "all" else f"opfuse.{w}")
         logger.setLevel(logging.DEBUG)
         if not logger.handlers:

@@ -33,7 +33,7 @@ from .fusion.groups import Partition, check_partition
 from .fusion.partition import Fuel, partition
 from .heap import release_freed_memory
 from .ir.graph import CONSTANT, INPUT, Graph
-from .lower.groups import lower_groups
+from .lower.groups import IMPLEMENTATIONS, lower_groups
 from .plan import Built, BuiltCall, build_plan, copied
 from .progress import Progress
 from .report import FoldReport, FusionReport, RejectReport
@@ -44,6 +44,7 @@ from .rewrite.layout import channels_last
 from .rewrite.pooling import pools_in_kernels
 from .rewrite.random import random_in_kernels
 from .runtime import Runtime
+from .settings import check
 
 log = logging.getLogger("opfuse")
 
@@ -59,8 +60,9 @@ class Options:
     freeze: bool = True  # parameters are constants (eval-mode opfuse.compile)
     # "channels-last": frozen conv graphs run NHWC between convolutions; "keep": as captured.
     layout: str = field(default_factory=lambda: os.environ.get("OPFUSE_LAYOUT") or "channels-last")
-    # Force how epilogue groups run ("unfused", "blocked", "onednn", "onednn-nhwc") where
-    # that is possible, instead of measuring: for tests and for bisecting.
+    # Force how epilogue and library groups run (one of lower.groups.IMPLEMENTATIONS:
+    # "unfused", "blocked", "onednn", ...) where that is possible, instead of measuring:
+    # for tests and for bisecting.
     implementation: str | None = field(
         default_factory=lambda: os.environ.get("OPFUSE_IMPLEMENTATION") or None
     )
@@ -79,17 +81,38 @@ class Options:
             ("random", ("kernel", "torch")),
             ("layout", ("channels-last", "keep")),
             ("backend", ("auto", "c", "triton")),
+            ("implementation", (None, *IMPLEMENTATIONS)),
+            ("fold_batchnorm", (True, False)),
+            ("fuse_attention", (True, False)),
+            ("freeze", (True, False)),
         ):
-            if getattr(self, name) not in allowed:
-                raise ValueError(
-                    f"Options.{name} must be one of {', '.join(map(repr, allowed))}, "
-                    f"not {getattr(self, name)!r}"
-                )
+            env = f" (or {_ENV[name]})" if name in _ENV else ""
+            check(f"Options.{name}{env}", getattr(self, name), allowed)
+        if self.fuel is not None and (not isinstance(self.fuel, int) or self.fuel < 0):
+            raise ValueError(
+                f"Options.fuel (or OPFUSE_FUEL) must be a count >= 0, not {self.fuel!r}"
+            )
+
+
+# The environment variable behind each Options field that has one.
+_ENV = {
+    "fuel": "OPFUSE_FUEL",
+    "debug_dir": "OPFUSE_DEBUG_DIR",
+    "layout": "OPFUSE_LAYOUT",
+    "implementation": "OPFUSE_IMPLEMENTATION",
+    "random": "OPFUSE_RANDOM",
+    "backend": "OPFUSE_BACKEND",
+}
 
 
 def _env_int(name: str) -> int | None:
-    v = os.environ.get(name)
-    return int(v) if v not in (None, "") else None
+    v = os.environ.get(name, "").strip()
+    if not v:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise ValueError(f"{name} must be a whole number, not {v!r}") from None
 
 
 @dataclass

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from types import TracebackType
+
+from .settings import flag
 
 
 class Progress:
@@ -17,9 +18,8 @@ class Progress:
     def __init__(self, total: int, what: str) -> None:
         self.total, self.what, self.done = total, what, 0
         self.start = time.perf_counter()
-        self.enabled = (
-            total > 1 and sys.stderr.isatty() and not os.environ.get("OPFUSE_NO_PROGRESS")
-        )
+        # (the setting checked first: a misspelt value is an error on any terminal)
+        self.enabled = not flag("OPFUSE_NO_PROGRESS") and total > 1 and sys.stderr.isatty()
         self.drawn = False
 
     def update(self, n: int = 1) -> None:

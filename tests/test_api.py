@@ -283,6 +283,49 @@ def test_misspelt_options_are_errors_not_fallbacks() -> None:
         opfuse.Options(layout="nchw")
     with pytest.raises(ValueError, match=r"Options\.random"):
         opfuse.Options(random="philox")
+    with pytest.raises(ValueError, match=r"Options\.implementation.*'onednn'.*not 'onedn'"):
+        opfuse.Options(implementation="onedn")
+    with pytest.raises(ValueError, match=r"Options\.fold_batchnorm"):
+        opfuse.Options(fold_batchnorm="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"Options\.fuel"):
+        opfuse.Options(fuel=-1)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "valid"),
+    [
+        ("OPFUSE_IMPLEMENTATION", "onedn", "'onednn'"),
+        ("OPFUSE_LAYOUT", "nhwc", "'channels-last'"),
+        ("OPFUSE_RANDOM", "philox", "'kernel'"),
+        ("OPFUSE_BACKEND", "cuda", "'triton'"),
+        ("OPFUSE_FUEL", "ten", "whole number"),
+        ("OPFUSE_NO_PROGRESS", "maybe", "'1'"),
+    ],
+)
+def test_misspelt_environment_variables_are_errors_listing_the_valid_values(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: str, valid: str
+) -> None:
+    monkeypatch.setenv(name, value)
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()
+    with pytest.raises(ValueError, match=f"{name}.*{valid}.*|{name} must be a {valid}"):
+        if name == "OPFUSE_NO_PROGRESS":
+            from opfuse.progress import Progress
+
+            Progress(2, "x")
+        else:
+            opfuse.compile(m, (torch.randn(2, 4),))
+
+
+def test_a_misspelt_log_target_is_an_error_at_import() -> None:
+    import subprocess
+    import sys
+
+    env = dict(os.environ, OPFUSE_LOG="fusoin")
+    out = subprocess.run(
+        [sys.executable, "-c", "import opfuse"], env=env, capture_output=True, text=True
+    )
+    assert out.returncode != 0
+    assert "OPFUSE_LOG must be one of 'fusion', 'autotune', 'triton', 'all'" in out.stderr
 
 
 class _Linear2(nn.Module):

@@ -33,6 +33,18 @@ from .lowering import NotFusable, lower_group
 
 Candidate = Kernel | GemmKernel | OneDnnPlan | PackedThenKernel | None  # None: torch
 
+# The names of the candidates below (Options.implementation forces one where it exists).
+IMPLEMENTATIONS = (
+    "unfused",
+    "blocked",
+    "onednn",
+    "onednn-nhwc",
+    "mkl",
+    "mkl-unfused",
+    "onednn-unfused",
+    "torch",
+)
+
 
 @dataclass
 class Lowered:
