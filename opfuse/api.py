@@ -263,12 +263,11 @@ class CompiledModule(torch.nn.Module):
                         # kernels and prepacked weights for each.
                         warn_once(
                             f"opfuse: {len(self._entries)} input signatures compiled "
-                            f"(cache_limit={self._cache_limit}); new ones run through "
-                            "torch.compile(backend='opfuse'), which makes shapes dynamic "
-                            "and runs those graphs with torch. Pad or bucket the inputs, or "
-                            "raise cache_limit"
+                            f"(cache_limit={self._cache_limit}); new ones run with torch, "
+                            "unfused. Pad or bucket the inputs to a few sizes, or raise "
+                            "cache_limit"
                         )
-                        return self._through_dynamo(*args, **kwargs)
+                        return self.__dict__["_model"](*args, **kwargs)
                     if sig in self._untraceable:
                         return self._through_dynamo(*args, **kwargs)
                     try:

@@ -4,6 +4,7 @@ entry point, so it works without importing opfuse first."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -27,14 +28,29 @@ log = logging.getLogger("opfuse")
 _listeners = threading.local()
 
 
+# Input signatures one graph compiles for, by default: dynamo hands graphs with symbolic
+# sizes after a recompile (automatic dynamic), and opfuse's kernels are static, so each new
+# size would be a compile of its own without a bound.
+CACHE_LIMIT = 8
+
+
 class _GraphRunner:
     """Runs one AOT graph with opfuse, specialising on input shapes and strides (dynamo
-    may hand us graphs with symbolic sizes; each concrete signature compiles once)."""
+    may hand us graphs with symbolic sizes; each concrete signature compiles once, up to
+    `cache_limit` of them; later ones run the graph with torch)."""
 
-    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    def __init__(
+        self,
+        gm: torch.fx.GraphModule,
+        example_inputs: Sequence[Any],
+        options: Options,
+        cache_limit: int = CACHE_LIMIT,
+    ) -> None:
         self.gm = gm
+        self.options = options
+        self.cache_limit = cache_limit
         self.cache: dict[tuple[Any, ...], tuple[CompiledGraph, list[int]] | None] = {}
-        if all(_static(x) for x in example_inputs):
+        if all(_static(x) for x in example_inputs) and cache_limit > 0:
             self._compile(example_inputs)
 
     def _key(self, args: Sequence[Any]) -> tuple[Any, ...]:
@@ -53,7 +69,7 @@ class _GraphRunner:
             # constant folding and autotuning compute with real tensors.
             with unset_fake_temporarily():
                 graph, positions = capture_fx(self.gm, args)
-                compiled = compile_graph(graph, Options(freeze=False), count_kernels(graph))
+                compiled = compile_graph(graph, self.options, count_kernels(graph))
             entry = (compiled, positions)
         except Exception as e:  # never crash a model eager runs: run this graph with torch
             warn_once(f"opfuse: graph falls back to torch ({type(e).__name__}: {e})")
@@ -66,7 +82,18 @@ class _GraphRunner:
 
     def __call__(self, args: list[Any]) -> Any:
         key = self._key(args)
-        entry = self.cache[key] if key in self.cache else self._compile(args)
+        if key in self.cache:
+            entry = self.cache[key]
+        elif len(self.cache) < self.cache_limit:
+            entry = self._compile(args)
+        else:
+            warn_once(
+                f"opfuse: a graph was compiled for {self.cache_limit} input shapes "
+                "(cache_limit); it runs with torch, unfused, for new ones. Pad or bucket "
+                "the inputs to a few sizes, or raise the limit: torch.compile(..., "
+                "backend='opfuse', options={'cache_limit': n})"
+            )
+            entry = None
         if entry is None:
             return self.gm(*args)
         compiled, positions = entry
@@ -79,10 +106,15 @@ def _static(x: Any) -> bool:
     return not isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
-def _compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+def _compiler(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: Options | None = None,
+    cache_limit: int = CACHE_LIMIT,
+) -> Callable[..., Any]:
     from torch._functorch.aot_autograd import make_boxed_func
 
-    runner = _GraphRunner(gm, example_inputs)
+    runner = _GraphRunner(gm, example_inputs, options or Options(freeze=False), cache_limit)
     args_clear = runner
 
     def run(args: list[Any]) -> Any:
@@ -92,7 +124,11 @@ def _compiler(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Callab
 
 
 def _forward_compiler(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], facts: Facts
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    facts: Facts,
+    options: Options | None = None,
+    cache_limit: int = CACHE_LIMIT,
 ) -> Callable[..., Any]:
     """The forward's compiler. It also tells AOTAutograd that the backward donates no saved
     tensor: the runtime reuses one only when nothing else holds it (reference counts), so
@@ -105,13 +141,22 @@ def _forward_compiler(
     if meta is not None and hasattr(meta, "bw_donated_idxs"):
         meta.bw_donated_idxs = []
     learn(facts, gm)
-    return _compiler(gm, example_inputs)
+    return _compiler(gm, example_inputs, options, cache_limit)
 
 
-def opfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-    """The torch.compile backend: forward and backward graphs both go through opfuse."""
+def opfuse_backend(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: dict[str, Any] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """The torch.compile backend: forward and backward graphs both go through opfuse.
+    `torch.compile(..., options={...})` takes `cache_limit` (input shapes compiled per
+    graph, default 8) and the fields of opfuse.Options."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    opts, cache_limit = backend_options(options or {})
 
     def partition(joint: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
         _save_compared(joint.graph)
@@ -119,8 +164,10 @@ def opfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kw
 
     facts = Facts()
     backend = aot_autograd(
-        fw_compiler=functools.partial(_forward_compiler, facts=facts),
-        bw_compiler=_compiler,
+        fw_compiler=functools.partial(
+            _forward_compiler, facts=facts, options=opts, cache_limit=cache_limit
+        ),
+        bw_compiler=functools.partial(_compiler, options=opts, cache_limit=cache_limit),
         decompositions=decompositions(),
         partition_fn=partition,
     )
@@ -132,6 +179,20 @@ def opfuse_backend(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], **kw
             except Exception as e:  # a view only NCHW allows: trace the graph as it was
                 log.debug("channels-last declined: %s: %s", type(e).__name__, e)
         return twice_differentiable(backend(gm, example_inputs), gm, facts)
+
+
+def backend_options(given: dict[str, Any]) -> tuple[Options, int]:
+    """torch.compile's `options` for this backend, checked: (Options, cache_limit)."""
+    fields = {f.name for f in dataclasses.fields(Options)} - {"freeze"}
+    unknown = sorted(set(given) - fields - {"cache_limit"})
+    if unknown:
+        valid = ", ".join(sorted(fields | {"cache_limit"}))
+        raise ValueError(f"opfuse backend: unknown options {unknown}; valid: {valid}")
+    cache_limit = given.get("cache_limit", CACHE_LIMIT)
+    if not isinstance(cache_limit, int) or cache_limit < 0:
+        raise ValueError(f"opfuse backend: cache_limit must be a count >= 0, not {cache_limit!r}")
+    opts = {k: v for k, v in given.items() if k != "cache_limit"}
+    return Options(**opts, freeze=False), cache_limit
 
 
 def _save_compared(graph: torch.fx.Graph) -> None:

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 import opfuse
+from opfuse import pipeline
 from tests.conftest import Fn, assert_matches_eager
 
 
@@ -143,19 +144,48 @@ def test_plain_functions_compile_and_explain() -> None:
         opfuse.compile(42, (x,))  # type: ignore[arg-type]
 
 
-def test_new_signatures_beyond_the_cache_limit_run_through_torch_compile() -> None:
+def test_new_signatures_beyond_the_cache_limit_run_with_torch() -> None:
     m = _mlp()
     fast = opfuse.compile(m, torch.randn(2, 8), cache_limit=2)
     assert isinstance(fast, opfuse.CompiledModule)
     fast(torch.randn(3, 8))
-    with pytest.warns(RuntimeWarning, match="cache_limit=2"):
+    with pytest.warns(RuntimeWarning, match="cache_limit=2.*run with torch, unfused"):
         x = torch.randn(5, 8)
         torch.testing.assert_close(fast(x), m(x))
-    assert len(fast._entries) == 2
+    assert len(fast._entries) == 2 and fast._dynamo is None  # nothing compiled for it
     x = torch.randn(2, 8)  # a compiled signature still runs its kernels
     torch.testing.assert_close(fast(x), m(x))
     with pytest.raises(ValueError, match="cache_limit"):
         opfuse.compile(m, x, cache_limit=0)
+
+
+def test_torch_compile_backend_compiles_each_graph_for_a_bounded_number_of_shapes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from opfuse import dynamo
+
+    compiles: list[int] = []
+    real = dynamo._GraphRunner._compile
+
+    def counting(self: Any, args: Any) -> Any:
+        compiles.append(1)
+        return real(self, args)
+
+    monkeypatch.setattr(dynamo._GraphRunner, "_compile", counting)
+    pipeline._warned.clear()
+    torch._dynamo.reset()
+    fn = lambda x: (x * 2).relu().sum(-1)
+    f = torch.compile(fn, backend="opfuse", options={"cache_limit": 3})
+    with pytest.warns(RuntimeWarning, match="compiled for 3 input shapes.*'cache_limit'"):
+        for n in range(1, 13):
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(f(x), fn(x))
+    # the first call's static graph, then the dynamic graph's first three shapes
+    assert len(compiles) == 4
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"unknown options.*cache_limit"):
+        torch.compile(fn, backend="opfuse", options={"cache_limt": 3})(torch.randn(2, 8))
+    torch._dynamo.reset()
 
 
 def test_python_scalar_inputs_are_specialised() -> None:
