@@ -514,3 +514,80 @@ def test_the_gradient_of_a_slice_fuses_into_the_backward_kernel() -> None:
     torch.compile(M(), backend="opfuse")(x).backward()
     for p, w in zip(lin.parameters(), want, strict=True):
         torch.testing.assert_close(p.grad, w)
+
+
+class _RelativeBias(torch.nn.Module):
+    """Swin's relative position bias: a frozen table gathered by a frozen index."""
+
+    def __init__(self, window: int = 7, heads: int = 3) -> None:
+        super().__init__()
+        self.w, self.heads = window, heads
+        self.table = torch.nn.Parameter(torch.randn((2 * window - 1) ** 2, heads))
+        g = torch.Generator().manual_seed(0)
+        n = window * window
+        self.register_buffer(
+            "index", torch.randint(0, (2 * window - 1) ** 2, (n * n,), generator=g)
+        )
+
+    def forward(self, attn: torch.Tensor) -> torch.Tensor:
+        n = self.w * self.w
+        bias = self.table[self.index].view(n, n, self.heads).permute(2, 0, 1)
+        return (attn + bias).softmax(-1)
+
+
+GATHERS = {
+    "index_select": lambda t, i: t.index_select(0, i),
+    "gather": lambda t, i: t.gather(0, i[:, None].expand(-1, t.shape[1])),
+    "embedding": lambda t, i: F.embedding(i, t),
+    "take": lambda t, i: t.take(i)[:, None],
+}
+
+
+def test_a_gather_of_frozen_tensors_is_computed_at_compile_time() -> None:
+    m = _RelativeBias().eval()
+    x = torch.randn(2, 3, 49, 49)
+    fast = opfuse.compile(m, (x,))
+    assert_matches_eager(m, fast(x), (x,))
+    report = fast.report
+    assert [g.pattern for g in report.groups] == ["reduction"], str(report)
+    assert "index" in report.constants[0]
+    with torch.no_grad():
+        m.table.mul_(2.0)  # a frozen value changed: the next call folds it again
+    with pytest.warns(RuntimeWarning, match="table was modified in place"):
+        assert_matches_eager(m, fast(x), (x,))
+
+
+@pytest.mark.parametrize("name", sorted(GATHERS))
+def test_gathers_fold_on_constants_and_stay_torch_calls_on_inputs(name: str) -> None:
+    table, idx = torch.randn(10, 4), torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    folded = compiled(lambda x: GATHERS[name](table, idx) * x, torch.randn(8, 4))
+    assert [g.pattern for g in folded.groups] == ["elementwise"], str(folded)
+    runtime = compiled(lambda x, i: GATHERS[name](table, i) * x, torch.randn(8, 4), idx)
+    assert "fallback" in [g.pattern for g in runtime.groups]  # the index is an input
+
+
+SPLITS = {
+    "split": lambda x: torch.split(x * 2, [2, 3], dim=-1),
+    "split_with_sizes": lambda x: (x * 2).split_with_sizes([2, 3], dim=-1),
+    "aten.split_with_sizes": lambda x: torch.ops.aten.split_with_sizes(x * 2, [2, 3], -1),
+    "split_with_sizes_copy": lambda x: torch.ops.aten.split_with_sizes_copy(x * 2, [2, 3], -1),
+}
+
+
+@pytest.mark.parametrize("how", sorted(SPLITS))
+@pytest.mark.parametrize("path", ["export", "dynamo"])
+def test_split_with_sizes_pieces_are_read_through_like_split(how: str, path: str) -> None:
+    from opfuse.dynamo import collect_reports
+
+    def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        a, b = SPLITS[how](x)
+        return a.relu() + 1, b.sigmoid()
+
+    x = torch.randn(4, 5)
+    if path == "export":
+        report = compiled(fn, x)
+    else:
+        with torch.no_grad():
+            report = collect_reports(Fn(fn).eval(), (x,), {})
+    assert all(g.pattern == "elementwise" for g in report.groups), str(report)
+    assert len(report.groups) <= 3  # x * 2, then each piece's kernel

@@ -801,6 +801,20 @@ TORCH_KERNELS = {
 }
 
 
+# Torch ops outside the fused table whose result depends on their inputs alone (index
+# gathers): on frozen constants their value is a constant, computed once at compile time
+# (Swin's relative position bias table[index] ran as a gather on every call).
+CONSTANT_FOLDABLE = frozenset(
+    {
+        "aten.index.Tensor",
+        "aten.index_select.default",
+        "aten.gather.default",
+        "aten.embedding.default",
+        "aten.take.default",
+    }
+)
+
+
 def torch_kernel_reason(op: str) -> str | None:
     """Why torch runs `op` whole, if it is one of the ops kept from decomposing."""
     name = short(op).lstrip("_")

@@ -1,6 +1,7 @@
-"""Constant folding: pointwise ops, views, reductions and matmuls/convolutions whose inputs
-are all frozen constants are evaluated once at compile time (the per-channel scale of an
-inference BatchNorm, a standardised or weight-normed weight, a masked conv weight).
+"""Constant folding: pointwise ops, views, reductions, matmuls/convolutions and index gathers
+whose inputs are all frozen constants are evaluated once at compile time (the per-channel
+scale of an inference BatchNorm, a standardised or weight-normed weight, a masked conv
+weight, a relative position bias gathered from its table).
 Splits become slices: each piece of split/chunk/unbind is a view kernels read through.
 Copies a library call or the caller reads whole become kernels (`copies_in_kernels`)."""
 
@@ -10,7 +11,7 @@ import torch
 
 from ..fusion.classify import SUPPORTED_DTYPES
 from ..ir.graph import CONSTANT, GETITEM, Graph, GraphBuilder, Node, TensorMeta, bind
-from ..ir.ops import VIEW_OPS, Kind, computed_where_read, info
+from ..ir.ops import CONSTANT_FOLDABLE, VIEW_OPS, Kind, computed_where_read, info
 
 MAX_FOLD_NUMEL = 1 << 22
 MAX_GENERATED_NUMEL = 1 << 12  # tensors made from nothing (full, scalar_tensor) fold if small
@@ -62,9 +63,11 @@ def _foldable(n: Node, b: GraphBuilder, values: dict[Node, torch.Tensor]) -> boo
         return False
     if row.pointwise or row.index is not None or row.gather is not None:
         return isinstance(n.meta, TensorMeta)
-    # Reductions and library calls are deterministic: their value on constants is a
-    # constant. Opaque torch ops are not folded (random draws, ops with side effects).
-    return row.kind in (Kind.REDUCTION, Kind.ANCHOR) and bool(n.inputs())
+    # Reductions, library calls and index gathers are deterministic: their value on
+    # constants is a constant. Other opaque torch ops are not folded (random draws, ops
+    # with side effects).
+    deterministic = row.kind in (Kind.REDUCTION, Kind.ANCHOR) or n.op in CONSTANT_FOLDABLE
+    return deterministic and bool(n.inputs())
 
 
 def split_to_views(graph: Graph) -> Graph:
