@@ -138,6 +138,7 @@ class CompiledModule(torch.nn.Module):
         self._watch: ParameterWatch | None = None
         self._followed = False  # warned that the parameters changed
         self._untraceable: set[tuple[Any, ...]] = set()  # signatures export cannot trace
+        self._stale: set[tuple[Any, ...]] = set()  # signatures compiled before a change
         # captures to compile again after parameters changed in place (their constants
         # are the live tensors), by signature
         self._reuse: dict[tuple[Any, ...], Captured] = {}
@@ -170,7 +171,7 @@ class CompiledModule(torch.nn.Module):
             if e is self._first:
                 new._first = entry
         new._reuse, new._followed = {}, False
-        new._untraceable = set(self._untraceable)
+        new._untraceable, new._stale = set(self._untraceable), set(self._stale)
         # The shared kernels read this module's weights, equal to the copy's until either
         # changes: then the copy compiles from its own.
         new._watch = ParameterWatch(new.__dict__["_model"], self._frozen(), borrowed=True)
@@ -216,6 +217,8 @@ class CompiledModule(torch.nn.Module):
 
     def _invalidate(self, recapture: bool) -> None:
         self._reuse = {} if recapture else {s: e.captured for s, e in self._entries.items()}
+        # compiled before: they compile again even with recompile=False
+        self._stale |= set(self._entries)
         self._entries = {}
         self._watch = None
 
@@ -252,8 +255,8 @@ class CompiledModule(torch.nn.Module):
             with self._lock:
                 entry = self._entries.get(sig)
                 if entry is None:
-                    if not self._recompile:
-                        known = next(iter(self._entries))
+                    if not self._recompile and sig not in self._stale:
+                        known = next(iter(self._entries or self._stale))
                         raise RecompileError(
                             f"opfuse: {_describe_mismatch(sig, known)}; recompiling is switched off"
                         )

@@ -33,11 +33,13 @@ LIMIT = 2.0**100
 
 @dataclass
 class FiniteGuard:
+    """Bounds through one library call, and the choice between its fused and exact form."""
+
     gain: float  # |result before the post-op| <= gain * bound(x) + offset (+ bound(other))
     offset: float
     binary: bool  # the call also adds its second argument
-    # The post-op's output bound from its input bound b: max(min(b, cap), floor) (see
-    # post_bound); None: unknown, nothing is carried past the call.
+    # The post-op's output bound from its input bound b: max(min(b, cap), floor) (as
+    # (cap, floor); backends/c/module.py's _POST_BOUND); None: unknown, nothing carried.
     post: tuple[float, float] | None
     # The same result with NaN kept (the call without its post-op, then torch's post-op);
     # None: the call keeps NaN itself, and the guard only carries bounds along.

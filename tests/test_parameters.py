@@ -171,3 +171,15 @@ def test_an_updated_buffer_is_one_state_across_shapes_and_recompiles() -> None:
     with pytest.warns(RuntimeWarning, match="modified in place"):
         torch.testing.assert_close(fast(x), ref(x))
     assert float(m.calls) == 0  # the caller's module is not modified
+
+
+def test_a_module_compiled_without_recompiling_still_follows_its_parameters() -> None:
+    m, x = _net()
+    fast = opfuse.compile(m, (x,), recompile=False)
+    with torch.no_grad():
+        m.fc.bias.add_(1.0)
+    with pytest.warns(RuntimeWarning, match="fc.bias was modified in place"):
+        out = fast(x)
+    assert_matches_eager(m, out, (x,))
+    with pytest.raises(opfuse.RecompileError, match="shape"):
+        fast(torch.randn(2, 3, 6, 6))
