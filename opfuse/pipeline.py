@@ -363,7 +363,7 @@ def _sub_runtime(graph: Graph, part: Partition, built: Any) -> Any:
         names = {n.name for n in graph.inputs}
         if all(i.name in names for i in b.inputs):  # (not through views the subgraph kept)
             return _InPlaceTiming(graph, b)
-    return Runtime(build_plan(graph, part, built))
+    return Runtime(build_plan(graph, part, built), guards=False)
 
 
 def dump(directory: str, source: str, report: FusionReport) -> None:

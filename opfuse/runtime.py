@@ -152,8 +152,12 @@ def persistent_bytes() -> int:
 class Runtime:
     """Executes a Plan. Calling it with the graph's inputs returns the graph's outputs."""
 
-    def __init__(self, plan: Plan) -> None:
+    def __init__(self, plan: Plan, guards: bool = True) -> None:
+        """`guards=False` runs guarded library calls fused without proof (finite.py): for
+        the tuner, which times a call on finite inputs and, in a model, mostly runs it on
+        bounds carried from the call before, not on a measurement of its own."""
         self.plan = plan
+        self.guards = guards
         self._frame = _Frame()
         _LIVE.add(self)
 
@@ -247,7 +251,8 @@ class Runtime:
         frees = plan.frees or [()] * len(plan.steps)
         skip = f.skip
         # value bounds of this call, by slot (finite.py), where a step is guarded
-        bounds: list[float | None] | None = [None] * plan.n_slots if f.guarded else None
+        guarded = f.guarded and self.guards
+        bounds: list[float | None] | None = [None] * plan.n_slots if guarded else None
         for si, step in enumerate(plan.steps):
             if skip[si]:
                 pass

@@ -246,3 +246,26 @@ def test_every_epilogue_implementation_propagates_nan_and_inf_like_eager(case: A
     with matmul_precision("high"):
         fast = opfuse.compile(m, clean, options=opfuse.Options(implementation=impl))
         assert_matches_eager(m, fast(*args), args)
+
+
+def test_the_tuner_times_guarded_calls_without_measuring(
+    monkeypatch: Any, fresh_cache: Any
+) -> None:
+    # in a model a guarded call mostly runs on bounds carried from the call before it: the
+    # tuner times the fused call alone, not a measurement the model would not make
+    measured: list[int] = []
+
+    def counting(t: torch.Tensor) -> float:
+        measured.append(1)
+        return max_abs(t)
+
+    monkeypatch.setattr("opfuse.finite.max_abs", counting)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU()).eval()
+    x = torch.randn(1, 8, 16, 16)
+    fast = opfuse.compile(m, (x,))
+    (group,) = fast.report.groups
+    assert "measured" in group.implementation and "onednn" in group.implementation
+    assert measured == []
+    fast(x)
+    assert len(measured) == (1 if guards(fast) else 0)
