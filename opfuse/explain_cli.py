@@ -31,8 +31,15 @@ def load_model(target: str) -> torch.nn.Module:
     if ":" not in target:
         raise UsageError(f"expected MODULE:FACTORY, got {target!r}")
     where, name = target.rsplit(":", 1)
+    is_file = where.endswith(".py") or os.sep in where
+    # Imports resolve as `python -m` and `python file.py` would: from the current directory
+    # for a module name, from the file's folder for a file (its sibling modules). The
+    # installed `opfuse` script starts with neither on sys.path.
+    folder = os.path.dirname(os.path.abspath(where)) if is_file else os.getcwd()
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     try:
-        if where.endswith(".py") or os.sep in where:
+        if is_file:
             if not os.path.exists(where):
                 raise UsageError(f"no such file: {where}")
             spec = importlib.util.spec_from_file_location("opfuse_user_model", where)

@@ -304,3 +304,28 @@ def test_report_says_what_ran_at_compile_time_on_frozen_parameters() -> None:
     assert [short_name(op) for op in r.constants] == ["mean", "sub", "var", "sqrt", "div"]
     assert "computed at compile time" in str(r) and "computed at compile time" in r.to_html()
     assert [g.pattern for g in r.groups] == ["conv_epilogue"], str(r)
+
+
+def test_cli_imports_from_the_current_directory_and_the_targets_folder(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # the installed script, not `python -m` (which puts the current directory on sys.path)
+    script = Path(sys.executable).parent / "opfuse"
+    if not script.exists():
+        pytest.skip("no installed opfuse script")
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "layers.py").write_text(
+        "import torch.nn as nn\n"
+        "def block():\n    return nn.Sequential(nn.Linear(8, 8), nn.ReLU()).eval()\n"
+    )
+    (models / "mymodel.py").write_text(
+        "from layers import block\n\ndef make():\n    return block()\n"
+    )
+    env = dict(os.environ, COLUMNS="120")
+    env.pop("PYTHONPATH", None)
+    for cwd, target in ((models, "mymodel:make"), (tmp_path, "models/mymodel.py:make")):
+        out = subprocess.run(
+            [str(script), "explain", target, "--input", "4x8"],
+            capture_output=True, text=True, cwd=cwd, env=env, timeout=300,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        assert "elementwise" in out.stdout or "gemm_epilogue" in out.stdout
