@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .fusion.groups import Group, Partition
@@ -105,16 +105,34 @@ def make_report(
             )
         )
         launches += 1
+    label = _labels(graph)
     return FusionReport(
         kernels_before=eager_kernels if eager_kernels is not None else count_kernels(graph),
         kernels_after=launches,
         groups=groups,
-        rejected=[RejectReport(r.producer, r.consumer, r.reason) for r in part.rejected],
+        rejected=[
+            RejectReport(label(r.producer), label(r.consumer), r.reason) for r in part.rejected
+        ],
         bytes_before=bytes_before,
         bytes_after=bytes_after,
         edges=_edges(graph, part),
         fusions=[[a, b] for a, b in part.fusions],
     )
+
+
+def _labels(graph: Graph) -> Callable[[str], str]:
+    """Node name -> what the user calls it: the module it came from (`layer1.0.conv2`), with
+    the node's name where that module holds several ops (`layer1.0:relu_1`); the node's
+    name where it came from no module (a function's own op)."""
+    per_module: dict[str, int] = {}
+    for n in graph.nodes:
+        if n.source and n.source.module:
+            per_module[n.source.module] = per_module.get(n.source.module, 0) + 1
+    names: dict[str, str] = {}
+    for n in graph.nodes:
+        m = n.source.module if n.source else ""
+        names[n.name] = (m if per_module[m] == 1 else f"{m}:{n.name}") if m else n.name
+    return lambda name: names.get(name, name)
 
 
 def _read_through(g: Group, owned: set[Node]) -> list[Node]:

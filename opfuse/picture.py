@@ -12,7 +12,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
-from .report import FusionReport, GroupReport, notes, short_name
+from .report import FusionReport, GroupReport, human_bytes, notes, short_name
 
 COLORS = {
     "elementwise": "#a6cee3",
@@ -176,7 +176,7 @@ def _rows(groups: Sequence[GroupReport]) -> str:
             f"<td><code>{_html.escape(g.kernel)}</code></td>"
             f"<td>{_html.escape(ops)}</td>"
             f"<td>{_html.escape(mods)}</td>"
-            f"<td>{g.bytes_saved}</td>"
+            f"<td>{human_bytes(g.bytes_saved) if g.bytes_saved else ''}</td>"
             f"<td>{_html.escape(g.implementation or g.reason)}</td>"
             "</tr>"
         )
@@ -209,7 +209,7 @@ def html(r: FusionReport) -> str:
 <body>
 <h1>opfuse fusion report</h1>
 <p>{r.kernels_before} kernels in eager &rarr; {r.kernels_after} with opfuse;
-intermediate memory traffic {r.bytes_before} &rarr; {r.bytes_after} bytes;
+intermediate memory traffic {human_bytes(r.bytes_before)} &rarr; {human_bytes(r.bytes_after)};
 {len(r.folds)} BatchNorm folds; {len(r.rejected)} fusions refused;
 compiled in {r.compile_seconds:.2f} s.{layout}</p>
 <div class="picture">{svg(r)}</div>

@@ -161,7 +161,7 @@ def notes(r: FusionReport) -> list[tuple[str, str]]:
     """(label, text) lines under the table: folds, refusals, attention, random draws,
     pools, compile-time constants, layout, backend. Shared by the plain and the CLI's table."""
     out = [("fold", f"{f.batchnorm} -> {f.conv}") for f in r.folds]
-    out += [("not fused", f"{x.producer} -> {x.consumer}: {x.reason}") for x in r.rejected]
+    out += [("not fused", text) for text in _refusals(r.rejected)]
     out += [("attention", a) for a in r.attention]
     out += [("", a) for a in r.random]
     out += [("pool", p) for p in r.pools]
@@ -176,11 +176,49 @@ def notes(r: FusionReport) -> list[tuple[str, str]]:
                 f"{len(r.constants)} ops on frozen parameters computed at compile time ({ops})",
             )
         )
+    if r.bytes_before:
+        out.append(
+            (
+                "memory",
+                f"intermediate traffic {human_bytes(r.bytes_before)} in eager -> "
+                f"{human_bytes(r.bytes_after)} fused",
+            )
+        )
     if r.layout:
         out.append(("layout", r.layout))
     if r.backend and not r.backend.startswith("c "):
         out.append(("backend", r.backend))  # (the C backend is the default: not repeated)
     return out
+
+
+# A reason given this many times or more is one line with a count (ResNet-18: 25 values
+# that feed a convolution, a routine boundary, were 25 lines).
+ROUTINE = 3
+
+
+def _refusals(rejected: list[RejectReport]) -> list[str]:
+    """One line per refusal, and one counted line per reason given ROUTINE times or more
+    (the first examples named); in the order the reasons first appear."""
+    by_reason: dict[str, list[RejectReport]] = {}
+    for x in rejected:
+        by_reason.setdefault(x.reason, []).append(x)
+    out = []
+    for reason, xs in by_reason.items():
+        if len(xs) < ROUTINE:
+            out += [f"{x.producer} -> {x.consumer}: {reason}" for x in xs]
+            continue
+        shown = ", ".join(f"{x.producer} -> {x.consumer}" for x in xs[:3])
+        out.append(f"{len(xs)} times: {reason} ({shown}{', ...' if len(xs) > 3 else ''})")
+    return out
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"
 
 
 def short_name(op: str) -> str:

@@ -371,6 +371,15 @@ def markdown(results: list[Result], title: str) -> str:
             "they can differ from the ratio of the ms columns (medians).",
             "",
         ]
+    if micro:
+        out += [
+            "% of copy bw: the time torch's copy takes to read and write as many bytes as the "
+            "case must, over opfuse's time: a reference, not a ceiling. Over 100% means "
+            "opfuse moved its bytes faster than that copy did: its data stayed in a cache "
+            "level between calls where the copy's source and destination did not, or the "
+            "copy itself ran below the memory's bandwidth.",
+            "",
+        ]
     out += _time_spent(results)
     return "\n".join(out)
 
