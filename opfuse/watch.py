@@ -51,9 +51,8 @@ class ParameterWatch:
         self.borrowed = borrowed
         self.names = list(frozen)
         self.tensors = [_find(model, n, t) for n, t in frozen.items()]
-        self.originals = list(frozen.values())
         if borrowed:  # the kernels' tensors too: versions and addresses
-            self.tensors += self.originals
+            self.tensors += list(frozen.values())
         self.versions = list(map(_VERSION, self.tensors))
         self.version = sum(self.versions)
         self.addresses = list(map(_ADDRESS, self.tensors))
@@ -103,16 +102,21 @@ def _more(names: list[str]) -> str:
     return f" (and {len(names) - 1} more)" if len(names) > 1 else ""
 
 
+def _owner(model: torch.nn.Module, name: str) -> tuple[torch.nn.Module | None, str]:
+    """The submodule that holds `name`, and the attribute's name in it."""
+    path, _, key = name.rpartition(".")
+    try:
+        return model.get_submodule(path), key
+    except AttributeError:
+        return None, key
+
+
 def _find(model: torch.nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
     """The tensor the model holds under `name` now (a module's parameter, buffer or plain
     attribute, found by name: a deep copy of the model holds its own there); `t` itself
     where the name leads to none (a tensor a function closes over)."""
-    path, _, key = name.rpartition(".")
-    try:
-        mod = model.get_submodule(path)
-    except AttributeError:
-        return t
-    for d in (mod._parameters, mod._buffers, mod.__dict__):
+    mod, key = _owner(model, name)
+    for d in () if mod is None else (mod._parameters, mod._buffers, mod.__dict__):
         v = d.get(key)
         if isinstance(v, torch.Tensor):
             return v
@@ -120,11 +124,8 @@ def _find(model: torch.nn.Module, name: str, t: torch.Tensor) -> torch.Tensor:
 
 
 def _plain_holder(model: torch.nn.Module, name: str) -> tuple[dict[str, Any] | None, str]:
-    path, _, key = name.rpartition(".")
-    try:
-        mod = model.get_submodule(path)
-    except AttributeError:
-        return None, key
-    if key in mod._parameters or key in mod._buffers:
+    """The __dict__ of the module holding `name` as a plain tensor attribute, else None."""
+    mod, key = _owner(model, name)
+    if mod is None or key in mod._parameters or key in mod._buffers:
         return None, key
     return (mod.__dict__, key) if isinstance(mod.__dict__.get(key), torch.Tensor) else (None, key)
