@@ -24,12 +24,26 @@ COLORS = {
     "fallback": "#dddddd",
 }
 IO_COLOR = "#ffffff"
+# What each colour means, for the picture's legend.
+MEANING = {
+    "elementwise": "pointwise ops, one kernel",
+    "reduction": "a reduction and the ops around it, one kernel",
+    "gemm_epilogue": "matmul + its epilogue",
+    "conv_epilogue": "convolution + its epilogue",
+    "library": "a library call (matmul, convolution) alone",
+    "attention": "one fused attention call",
+    "fallback": "runs with torch",
+}
 
 
 def _label_lines(g: GroupReport) -> list[str]:
+    """Title, the module the ops came from, then the ops (at most 4 lines of 34)."""
     ops = list(dict.fromkeys(short_name(o) for o in g.ops))
     body = ", ".join(ops)
     lines = [f"#{g.id} {g.pattern}"]
+    where = _where(g.modules)
+    if where:
+        lines.append(where if len(where) <= 34 else "..." + where[-31:])
     while body:
         lines.append(body[:34])
         body = body[34:]
@@ -37,6 +51,20 @@ def _label_lines(g: GroupReport) -> list[str]:
             lines[-1] = lines[-1][:31] + "..."
             break
     return lines
+
+
+def _where(modules: Sequence[str]) -> str:
+    """The module a group's ops came from: its first op's (an epilogue group's matmul or
+    convolution), and how many more there are."""
+    if not modules:
+        return ""
+    more = f" (+{len(modules) - 1})" if len(modules) > 1 else ""
+    return modules[0] + more
+
+
+def _patterns(r: FusionReport) -> list[str]:
+    present = {g.pattern for g in r.groups}
+    return [p for p in COLORS if p in present]
 
 
 def _nodes(r: FusionReport) -> list[str]:
@@ -61,6 +89,12 @@ def dot_source(r: FusionReport) -> str:
     for e in r.edges:
         shape = "x".join(str(s) for s in e.shape) or "scalar"
         out.append(f'  "{e.src}" -> "{e.dst}" [label="{shape}"];')
+    out.append('  subgraph cluster_legend { label="legend"; fontsize=10; style=dashed;')
+    for p in _patterns(r):
+        out.append(
+            f'    "legend:{p}" [label="{p}: {MEANING[p]}", fillcolor="{COLORS[p]}", fontsize=9];'
+        )
+    out.append("  }")
     out.append("}")
     return "\n".join(out)
 
@@ -104,14 +138,16 @@ def _layered_svg(r: FusionReport) -> str:
         rows.setdefault(level[n], []).append(n)
     by_id = {f"g{g.id}": g for g in r.groups}
     w, h, gap_x, gap_y = 230, 74, 24, 46
-    width = max(len(v) for v in rows.values()) * (w + gap_x) + gap_x
+    legend = _patterns(r)
+    top = 16 * len(legend) + 16  # the legend's rows above the graph
+    width = max(max(len(v) for v in rows.values()) * (w + gap_x) + gap_x, 420)
     pos: dict[str, tuple[float, float]] = {}
     for lv, members in rows.items():
         row_w = len(members) * (w + gap_x) - gap_x
         x0 = (width - row_w) / 2
         for i, n in enumerate(members):
-            pos[n] = (x0 + i * (w + gap_x), gap_y + lv * (h + gap_y))
-    height = gap_y + (max(rows) + 1) * (h + gap_y)
+            pos[n] = (x0 + i * (w + gap_x), top + gap_y + lv * (h + gap_y))
+    height = top + gap_y + (max(rows) + 1) * (h + gap_y)
     parts = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
         f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="Helvetica, Arial, sans-serif">',
@@ -119,6 +155,15 @@ def _layered_svg(r: FusionReport) -> str:
         'markerHeight="6" orient="auto"><path d="M0,0 L10,5 L0,10 z" fill="#666"/></marker>'
         "</defs>",
     ]
+    for k, p in enumerate(legend):
+        ly = 10 + 16 * k
+        parts.append(
+            f'<rect x="10" y="{ly}" width="12" height="12" rx="2" fill="{COLORS[p]}" '
+            'stroke="#333"/>'
+        )
+        parts.append(
+            f'<text x="28" y="{ly + 10}" font-size="11">{p}: {_html.escape(MEANING[p])}</text>'
+        )
     for e in r.edges:
         if e.src not in pos or e.dst not in pos:
             continue

@@ -287,6 +287,20 @@ def test_builtin_layout_without_graphviz(monkeypatch) -> None:  # type: ignore[n
     monkeypatch.setattr(picture, "shutil", types.SimpleNamespace(which=lambda _: None))
     svg = r.to_svg()
     assert svg.startswith("<svg") and "gemm_epilogue" in svg and "4x8" in svg
+    assert "gemm_epilogue: matmul + its epilogue" in svg  # the legend
+
+
+def test_picture_has_a_legend_and_names_modules() -> None:
+    from opfuse import picture
+
+    m = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4)).eval()
+    r = opfuse.explain(m, (torch.randn(4, 8),))
+    dot = picture.dot_source(r)
+    assert "cluster_legend" in dot
+    for pattern in {g.pattern for g in r.groups}:
+        assert f"{pattern}: {picture.MEANING[pattern]}" in dot
+    norm = next(g for g in r.groups if g.pattern == "reduction")
+    assert norm.modules == ["1", "2"] and "\\n1 (+1)\\n" in dot  # the GELU, the LayerNorm
 
 
 def test_report_says_what_ran_at_compile_time_on_frozen_parameters() -> None:
