@@ -124,14 +124,14 @@ def _labels(graph: Graph) -> Callable[[str], str]:
     """Node name -> what the user calls it: the module it came from (`layer1.0.conv2`), with
     the node's name where that module holds several ops (`layer1.0:relu_1`); the node's
     name where it came from no module (a function's own op)."""
-    per_module: dict[str, int] = {}
+    per_module: dict[str, int] = {}  # compute ops per module (views and constants aside)
     for n in graph.nodes:
-        if n.source and n.source.module:
+        if n.source and n.source.module and is_compute(n):
             per_module[n.source.module] = per_module.get(n.source.module, 0) + 1
     names: dict[str, str] = {}
     for n in graph.nodes:
         m = n.source.module if n.source else ""
-        names[n.name] = (m if per_module[m] == 1 else f"{m}:{n.name}") if m else n.name
+        names[n.name] = (m if per_module.get(m, 0) <= 1 else f"{m}:{n.name}") if m else n.name
     return lambda name: names.get(name, name)
 
 
