@@ -343,3 +343,16 @@ def test_cli_imports_from_the_current_directory_and_the_targets_folder(tmp_path)
         )  # fmt: skip
         assert out.returncode == 0, out.stderr
         assert "elementwise" in out.stdout or "gemm_epilogue" in out.stdout
+
+
+def test_routine_refusals_are_one_counted_line_and_bytes_have_units() -> None:
+    from opfuse.report import FusionReport, RejectReport, format_table, human_bytes
+
+    feeds = [RejectReport(f"relu_{i}", f"conv{i}", "value feeds a convolution") for i in range(5)]
+    r = FusionReport(rejected=[*feeds, RejectReport("a", "b", "a rare reason")])
+    r.bytes_before, r.bytes_after = 3 * 2**20, 1536
+    text = format_table(r)
+    assert "5 times: value feeds a convolution (relu_0 -> conv0, relu_1 -> conv1, " in text
+    assert "a -> b: a rare reason" in text and text.count("conv") == 4  # 3 named + reason
+    assert "intermediate traffic 3.0 MiB in eager -> 1.5 KiB fused" in text
+    assert [human_bytes(n) for n in (512, 2048, 5 * 2**30)] == ["512 B", "2.0 KiB", "5.0 GiB"]
