@@ -52,14 +52,15 @@ class FiniteGuard:
         """(run the fused call?, bound of its result), from the bounds of the inputs at
         `slots`. Measures inputs only where the fused call needs proof and the bounds
         carried along do not give it. Straight-line code: it runs per call and step."""
-        pre = self._pre(bounds[slots[0]], bounds[slots[1]] if self.binary else 0.0)
+        b0 = bounds[slots[0]]
+        b1 = bounds[slots[1]] if self.binary else 0.0
+        pre = math.inf if b0 is None or b1 is None else self.gain * b0 + self.offset + b1
         if not pre <= LIMIT and self.exact is not None:
             # unknown, grown too large along a chain, or NaN: measure
             b0 = bounds[slots[0]] = max_abs(args[0])
-            b1 = 0.0
             if self.binary:
                 b1 = bounds[slots[1]] = max_abs(args[1])
-            pre = self._pre(b0, b1)
+            pre = self.gain * b0 + self.offset + b1  # type: ignore[operator]
             if not pre <= LIMIT:
                 self.exact_calls += 1
                 return False, None
@@ -67,11 +68,6 @@ class FiniteGuard:
         if post is None or not pre <= LIMIT:
             return True, None
         return True, max(min(pre, post[0]), post[1])
-
-    def _pre(self, b0: float | None, b1: float | None) -> float:
-        if b0 is None or b1 is None:
-            return math.inf
-        return self.gain * b0 + self.offset + b1
 
 
 def gain(weight: torch.Tensor) -> float:

@@ -279,7 +279,7 @@ class Runtime:
             else:
                 assert isinstance(step, TorchStep)
                 args = f.bind[si](env)
-                kwargs = _kwargs(step, env)
+                kwargs = _kwargs(step, env) if step.kwargs else _NO_KWARGS
                 fused = True
                 if bounds is not None:
                     if step.guard is not None:
@@ -420,6 +420,9 @@ def _slots(v: Any) -> Iterator[int]:
 
 def _has_slot(v: Any) -> bool:
     return next(_slots(v), None) is not None
+
+
+_NO_KWARGS: dict[str, Any] = {}  # shared by the steps without keyword arguments: never written
 
 
 def _kwargs(step: TorchStep, env: list[Any]) -> dict[str, Any]:
