@@ -153,6 +153,10 @@ def capture_module(
         new = [n.name for n in gm.graph.find_nodes(op="placeholder")]
         placeholders = {b: placeholders[a] for a, b in zip(old, new, strict=True)}
     graph, _ = _convert(gm, placeholders, input_roles)
+    # Only what the graph reads can make a change matter (BatchNorm's num_batches_tracked
+    # is no input of an eval graph: a sixth of MobileNetV2's tensors)
+    used = {_place(c) for c in graph.constants.values() if isinstance(c, torch.Tensor)}
+    frozen = {k: t for k, t in frozen.items() if _place(t) in used}
     output_roles: list[tuple[str, Any]] = []
     user_out = 0
     for spec in sig.output_specs:
@@ -242,6 +246,12 @@ def _user_input_position(sig: Any, name: str) -> int:
                 return k
             k += 1
     raise CaptureError(f"mutated input {name} not found")
+
+
+def _place(t: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
+    """Where a tensor's elements are: a constant the graph holds is a detached alias of
+    the model's tensor, at the same place."""
+    return t.data_ptr(), tuple(t.shape), tuple(t.stride())
 
 
 def _strip(target: str) -> str:
