@@ -94,8 +94,13 @@ def is_channels_last(m: TensorMeta) -> bool:
     """Whether m is laid out NHWC (NDHWC) and not also plain contiguous."""
     if m.ndim not in (4, 5) or m.numel <= 1:
         return False
+    return has_format(m, _cl(m.ndim)) and not has_format(m, torch.contiguous_format)
+
+
+def has_format(m: TensorMeta, fmt: torch.memory_format) -> bool:
+    """Does a value of meta m have memory format fmt (is_contiguous(memory_format=fmt))?"""
     fake = torch.empty_strided(m.shape, m.stride, device="meta")
-    return fake.is_contiguous(memory_format=_cl(m.ndim)) and not fake.is_contiguous()
+    return bool(fake.is_contiguous(memory_format=fmt))
 
 
 def _cl_meta(m: TensorMeta) -> TensorMeta:

@@ -25,7 +25,7 @@ from ...lower.epilogue import (
 from ...lower.groups import Lowered
 from ...lower.kernel import Kernel
 from ...plan import Built, BuiltCall, BuiltGemm, BuiltKernel
-from ...rewrite.layout import is_channels_last
+from ...rewrite.layout import has_format, is_channels_last
 from .build import BuildError, build
 from .gemm import GEMM_TYPES, blas, can_pack, pack_layout, pack_weight, render_gemm
 from .render import render_module
@@ -323,7 +323,7 @@ def _conv_call(graph: Graph, plan: OneDnnPlan, channels_last: bool) -> BuiltCall
         # A value the graph already lays out as oneDNN wants (NHWC between convolutions)
         # skips the per-call check (MobileNetV2 b1: 51 calls, ~2 us each). One that comes
         # out otherwise all the same is still correct: oneDNN takes any strides.
-        return to_fmt if fmt is not None and not _laid_out(n.tensor, fmt) else same
+        return to_fmt if fmt is not None and not has_format(n.tensor, fmt) else same
 
     prep, prep_other = prep_for(x), prep_for(plan.other) if plan.other is not None else same
 
@@ -408,12 +408,6 @@ def _exact(
         return post(plain(*args), *scalars)
 
     return dataclasses.replace(guard, exact=exact)
-
-
-def _laid_out(m: Any, fmt: torch.memory_format) -> bool:
-    """Does a value of meta m have the memory format fmt?"""
-    fake = torch.empty_strided(m.shape, m.stride, device="meta")
-    return bool(fake.is_contiguous(memory_format=fmt))
 
 
 def _prepack(weight: torch.Tensor, dims: int, a: dict[str, Any], in_shape: list[int]) -> Any:
