@@ -211,7 +211,7 @@ class CompiledModule(torch.nn.Module):
     def refresh(self) -> None:
         """Compile again from the model's live parameters and buffers on the next call.
         Changes made through torch are seen by themselves; this is for writes that bypass
-        torch's version counters (`p.data.add_()`, through numpy)."""
+        torch's version counters (`p.data.add_()`, `p.data = t`, through numpy)."""
         with self._lock:
             self._invalidate(recapture=True)
 

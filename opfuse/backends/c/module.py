@@ -383,16 +383,13 @@ _POST_BOUND: dict[str | None, Callable[..., tuple[float, float]]] = {
 
 def _guard(plan: OneDnnPlan, weight: torch.Tensor, bias: torch.Tensor | None) -> FiniteGuard | None:
     """Bounds through a oneDNN call (finite.py); None where its result has no bound from
-    its inputs' (a product or quotient with `other`)."""
-    if plan.binary not in (None, *ADDITIVE):
-        return None
+    its inputs' (a product or quotient with `other`, a post-op outside _POST_BOUND such as
+    gelu or silu, which keeps NaN): such a guard would neither decide nor carry anything,
+    and cost a check per call."""
     post = _POST_BOUND.get(plan.unary)
-    return FiniteGuard(
-        gain(weight),
-        largest(bias),
-        plan.binary is not None,
-        None if post is None else post(*plan.scalars),
-    )
+    if plan.binary not in (None, *ADDITIVE) or post is None:
+        return None
+    return FiniteGuard(gain(weight), largest(bias), plan.binary is not None, post(*plan.scalars))
 
 
 def _exact(
