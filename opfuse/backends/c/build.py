@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -311,10 +311,8 @@ def _compiles(tc: Toolchain, header: str, piece: str) -> bool:
     with tempfile.TemporaryDirectory() as d:
         src = Path(d) / "piece.c"
         src.write_text(tc.prelude + header + piece)
-        try:
+        with _compiler_faults(tc):
             out = _run([tc.cc, *tc.flags, "-c", str(src), "-o", str(Path(d) / "piece.o")])
-        except (OSError, subprocess.TimeoutExpired) as e:
-            raise BuildError(f"{tc.cc} could not run: {e}") from e
         return out.returncode == 0
 
 
@@ -332,12 +330,20 @@ def _load_cached(so: Path, sig: Path) -> Library | None:
 
 
 def _compile(tc: Toolchain, head: str, pieces: list[str], d: Path, so: Path, sig: Path) -> None:
-    try:
+    with _compiler_faults(tc):
         _compile_units(tc, head, pieces, d, so, sig)
-    except subprocess.TimeoutExpired as e:  # a compiler that hangs: not again this process
+
+
+@contextlib.contextmanager
+def _compiler_faults(tc: Toolchain) -> Iterator[None]:
+    """A compiler that cannot start or hangs is a BuildError; one that hangs is not asked
+    again in this process (a transient fork failure is no reason to give up)."""
+    try:
+        yield
+    except subprocess.TimeoutExpired as e:
         _broken[tc.cc] = BuildError(f"{tc.cc} hung on a build: no answer in {e.timeout:g} s")
         raise _broken[tc.cc] from e
-    except OSError as e:  # no process (a transient fork failure is no reason to give up)
+    except OSError as e:
         raise BuildError(f"{tc.cc} could not run: {e}") from e
 
 
