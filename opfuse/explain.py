@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .fusion.groups import Group, Partition
+from .fusion.groups import Group, Partition, Pattern
 from .ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta
 from .ir.ops import VIEW_OPS, Kind, info, short
 from .lower.epilogue import GemmKernel
@@ -45,8 +45,8 @@ def make_report(
     for g in part.groups:
         b = built.get(g.id)
         pattern, reason = g.pattern, g.reason
-        if b is None and pattern in ("elementwise", "reduction", "gemm_epilogue", "conv_epilogue"):
-            pattern = "fallback"
+        if b is None and (pattern.generated or pattern.epilogue):
+            pattern = Pattern.FALLBACK
             reason = reason or "kernel build failed; ran with torch"
         kernel, fused = _implementation(g, b)
         launches += _launches(g, b)
@@ -57,7 +57,7 @@ def make_report(
         d = decisions.get(g.id)
         implementation = d.describe() if d is not None else _default_impl(g, b)
         notes = lowered.notes.get(g.id, [])
-        if notes and g.pattern in ("gemm_epilogue", "conv_epilogue"):
+        if notes and g.pattern.epilogue:
             implementation += " [not candidates: " + "; ".join(notes) + "]"
         if isinstance(b, BuiltCall) and b.guard is not None and b.guard.exact is not None:
             implementation += (
@@ -95,7 +95,7 @@ def make_report(
         groups.append(
             GroupReport(
                 id=len(groups),
-                pattern="fallback",
+                pattern=Pattern.FALLBACK,
                 kernel=n.op,
                 ops=[n.op],
                 nodes=[n.name],
@@ -204,7 +204,7 @@ def _implementation(g: Group, b: Built | None) -> tuple[str, bool]:
         return f"{b.library}({label})", True
     if isinstance(b, BuiltKernel):
         name = f"{b.kernel.name}_{g.id}"
-        if g.pattern in ("gemm_epilogue", "conv_epilogue"):
+        if g.pattern.epilogue:
             how = f"{b.anchor_call.library}_unfused" if b.anchor_call is not None else "unfused"
             return f"{b.kernel.name}_{how}_{g.id}", False
         return name, True
@@ -215,7 +215,7 @@ def _launches(g: Group, b: Built | None) -> int:
     if isinstance(b, (BuiltGemm, BuiltCall)):
         return 1
     if isinstance(b, BuiltKernel):
-        return 2 if g.pattern in ("gemm_epilogue", "conv_epilogue") else 1
+        return 2 if g.pattern.epilogue else 1
     return sum(1 for n in g.nodes if is_compute(n))
 
 
@@ -224,7 +224,7 @@ def _default_impl(g: Group, b: Built | None) -> str:
         return "onednn (the only candidate)"
     if isinstance(b, BuiltGemm):
         return "blocked (the only candidate)"
-    if isinstance(b, BuiltKernel) and g.pattern in ("gemm_epilogue", "conv_epilogue"):
+    if isinstance(b, BuiltKernel) and g.pattern.epilogue:
         return "unfused: library call, then the epilogue kernel (the only candidate)"
     return ""
 

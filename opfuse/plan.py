@@ -243,7 +243,7 @@ def build_plan(graph: Graph, part: Partition, built: Mapping[int, Built]) -> Pla
         else:
             if b.anchor_call is not None:
                 p.call_step(b.anchor_call)
-            elif g.anchor is not None and g.pattern in ("gemm_epilogue", "conv_epilogue"):
+            elif g.anchor is not None and g.pattern.epilogue:
                 p.torch_step(g.anchor)  # unfused: the library call, then the epilogue kernel
             args, reads = p.kernel_args(b.kernel)
             p.kernel_step(b.kernel.name, b.fn, args, reads)

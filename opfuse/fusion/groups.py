@@ -5,23 +5,35 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..ir.graph import Graph, Node
+from ..ir.strenum import StrEnum
 
-PATTERNS = (
-    "elementwise",
-    "reduction",
-    "gemm_epilogue",
-    "conv_epilogue",
-    "library",
-    "attention",
-    "fallback",
-)
+
+class Pattern(StrEnum):
+    """What a group is, and so how it runs."""
+
+    ELEMENTWISE = "elementwise"  # pointwise ops: one generated kernel
+    REDUCTION = "reduction"  # reductions with the pointwise ops around them: one kernel
+    GEMM_EPILOGUE = "gemm_epilogue"  # a matmul and the pointwise ops on its result
+    CONV_EPILOGUE = "conv_epilogue"  # a convolution and the pointwise ops on its result
+    LIBRARY = "library"  # a matmul or convolution alone
+    ATTENTION = "attention"  # the fused attention call (rewrite/attention.py)
+    FALLBACK = "fallback"  # torch runs it
+
+    @property
+    def generated(self) -> bool:
+        """Is the group one kernel opfuse generates?"""
+        return self in (Pattern.ELEMENTWISE, Pattern.REDUCTION)
+
+    @property
+    def epilogue(self) -> bool:
+        return self in (Pattern.GEMM_EPILOGUE, Pattern.CONV_EPILOGUE)
 
 
 @dataclass
 class Group:
     id: int
     nodes: list[Node]  # topological order; views are never members
-    pattern: str
+    pattern: Pattern
     anchor: Node | None = None  # the matmul/conv of an epilogue group, or the library call
     reason: str = ""  # why a fallback group runs with torch
 

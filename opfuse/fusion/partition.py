@@ -42,7 +42,7 @@ from ..ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta, bind
 from ..ir.ops import ATTENTION, Kind, info, is_generator, reads_through, short
 from ..lower.lowering import NotFusable, lower_group, reduce_dims
 from .classify import Classified
-from .groups import Group, Partition, Rejection
+from .groups import Group, Partition, Pattern, Rejection
 
 log = logging.getLogger("opfuse.fusion")
 
@@ -360,19 +360,20 @@ class _Partitioner:
         for nodes in self.members.values():
             kinds = {self.kinds[n] for n in nodes}
             if Kind.REDUCTION in kinds:
-                pattern, anchor, reason = "reduction", None, ""
+                pattern, anchor, reason = Pattern.REDUCTION, None, ""
             elif kinds <= {Kind.ELEMENTWISE, Kind.BROADCAST}:
-                pattern, anchor, reason = "elementwise", None, ""
+                pattern, anchor, reason = Pattern.ELEMENTWISE, None, ""
             elif kinds == {Kind.ANCHOR}:
-                pattern, anchor, reason = "library", nodes[0], ""
+                pattern, anchor, reason = Pattern.LIBRARY, nodes[0], ""
             elif Kind.ANCHOR in kinds:
                 anchor = next(n for n in nodes if self.kinds[n] == Kind.ANCHOR)
                 conv = "convolution" in anchor.op
-                pattern, reason = ("conv_epilogue" if conv else "gemm_epilogue"), ""
+                pattern = Pattern.CONV_EPILOGUE if conv else Pattern.GEMM_EPILOGUE
+                reason = ""
             elif nodes[0].op == ATTENTION:  # the fused attention call (rewrite/attention)
-                pattern, anchor, reason = "attention", nodes[0], ""
+                pattern, anchor, reason = Pattern.ATTENTION, nodes[0], ""
             else:
-                pattern, anchor = "fallback", nodes[0]
+                pattern, anchor = Pattern.FALLBACK, nodes[0]
                 reason = self.why_opaque.get(nodes[0], "no fused implementation")
             groups.append(Group(len(groups), nodes, pattern, anchor, reason))
         groups = _toposort(groups, self.g)

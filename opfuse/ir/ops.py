@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from .combine import Combine
 from .graph import Node, bind
 from .index import Ix, Var, delinearize, linearize
 from .scalar import Expr, call, cast, const, position, where
@@ -40,11 +41,11 @@ class Kind(IntEnum):
 class Reduction:
     """What a reduction op accumulates.
 
-    combine: 'sum' | 'prod' | 'max' | 'min' | 'argmax' | 'argmin' | 'welford' | 'any' | 'all'
+    combine: how values fold (ir/combine.py's table)
     result: which value(s) it returns: 'value', 'mean', 'var', 'var_mean', 'value_index'
     """
 
-    combine: str
+    combine: Combine
     result: str = "value"
 
 
@@ -513,7 +514,7 @@ def gather(fn: Callable[..., Expr]) -> OpInfo:
 
 
 def red(combine: str, result: str = "value") -> OpInfo:
-    return OpInfo(Kind.REDUCTION, reduction=Reduction(combine, result))
+    return OpInfo(Kind.REDUCTION, reduction=Reduction(Combine(combine), result))
 
 
 def _u(prim: str) -> OpInfo:

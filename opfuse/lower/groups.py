@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..fusion.groups import Group, Partition
+from ..fusion.groups import Group, Partition, Pattern
 from ..ir.graph import Graph, Node, bind
 from ..rewrite.layout import is_channels_last as channels_last
 from .epilogue import (
@@ -57,19 +57,19 @@ def lower_groups(graph: Graph, part: Partition, threads: int | None = None) -> L
     out = Lowered()
     for g in part.groups:
         out.candidates[g.id], out.notes[g.id] = _candidates(graph, g, threads)
-        if not out.candidates[g.id] and g.pattern in ("elementwise", "reduction"):
-            g.pattern, g.reason = "fallback", "; ".join(out.notes[g.id])
+        if not out.candidates[g.id] and g.pattern.generated:
+            g.pattern, g.reason = Pattern.FALLBACK, "; ".join(out.notes[g.id])
     return out
 
 
 def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candidate], list[str]]:
     notes: list[str] = []
-    if g.pattern in ("elementwise", "reduction"):
+    if g.pattern.generated:
         try:
             return {"kernel": lower_group(graph, g.nodes)}, notes
         except NotFusable as e:  # the partitioner checked this; keep going regardless
             return {}, [f"could not be lowered: {e}"]
-    if g.pattern in ("gemm_epilogue", "conv_epilogue"):
+    if g.pattern.epilogue:
         assert g.anchor is not None
         unfused = lower_unfused(graph, g.anchor, g.nodes)
         cands: dict[str, Candidate] = {"unfused": unfused}
@@ -80,13 +80,17 @@ def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candida
                 cands["mkl-unfused"] = PackedThenKernel(g.anchor, unfused)
             if _onednn_gemm_allowed(g.anchor):
                 cands["onednn-unfused"] = PackedThenKernel(g.anchor, unfused, "onednn")
-        if g.pattern == "gemm_epilogue":
+        if g.pattern is Pattern.GEMM_EPILOGUE:
             try:
                 cands["blocked"] = lower_blocked(graph, g.anchor, g.nodes, threads)
             except NotFusable as e:
                 notes.append(f"blocked GEMM: {e}")
         plan = match_onednn(graph, g.anchor, g.nodes)
-        if plan is not None and g.pattern == "gemm_epilogue" and not _onednn_gemm_allowed(g.anchor):
+        if (
+            plan is not None
+            and g.pattern is Pattern.GEMM_EPILOGUE
+            and not _onednn_gemm_allowed(g.anchor)
+        ):
             notes.append(
                 "oneDNN: its float32 GEMM is further from float64 than MKL's (allowed "
                 "below torch's 'highest' float32 matmul precision)"
@@ -97,13 +101,13 @@ def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candida
             plan = None
         elif plan is not None:
             cands["onednn"] = plan
-            if g.pattern == "conv_epilogue" and not channels_last(g.anchor.tensor):
+            if g.pattern is Pattern.CONV_EPILOGUE and not channels_last(g.anchor.tensor):
                 cands["onednn-nhwc"] = plan
         elif not any("oneDNN" in n for n in notes):
             notes.append("oneDNN: the epilogue is not a post-op it fuses")
         return cands, notes
     a = g.anchor
-    if g.pattern == "library" and a is not None and a.op in GEMMS:
+    if g.pattern is Pattern.LIBRARY and a is not None and a.op in GEMMS:
         cands = {"torch": None}
         if a.op != "aten.bmm.default" and _constant_weights(graph, a):
             cands["mkl"] = OneDnnPlan(a, a)  # packed MKL GEMM, as inductor's freezing runs it
@@ -117,7 +121,7 @@ def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candida
             notes.append(f"blocked GEMM: {e}")
         return cands, notes
     if (
-        g.pattern == "library"
+        g.pattern is Pattern.LIBRARY
         and a is not None
         and a.op == "aten.convolution.default"
         and a.tensor.dtype in (torch.float32, torch.bfloat16)

@@ -23,8 +23,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from ..ir.combine import COMBINES, Combine, CombineRow
 from ..ir.index import Ix, Var
 from ..ir.scalar import Expr
+from ..ir.strenum import StrEnum
 
 PARALLEL_MIN = 1 << 15  # elements below which a kernel runs on one thread
 
@@ -58,13 +60,12 @@ class Store:
 class Accumulate:
     """One reduction: `value` is folded into accumulator `name` at every inner point.
 
-    combine: sum | prod | max | min | argmax | argmin | welford | any | all
-    Results are read as Expr("acc", value=(name, part)) with part one of
-    'value' (sum/prod/max/min/any/all), 'index' (argmax/argmin), 'mean', 'm2' (welford).
+    Results are read as Expr("acc", value=(name, part)), part one of the combine's
+    `parts` (ir/combine.py).
     """
 
     name: str
-    combine: str
+    combine: Combine
     value: Expr
     acc_dtype: torch.dtype
     position: Ix | None = None  # argmax/argmin: row-major position within the reduction
@@ -75,6 +76,10 @@ class Accumulate:
     # total into acc_dtype. float32 runs of 512 keep float64's accuracy (a run adds 32 values
     # per vector lane) at float32's vector width; 0 adds every value in acc_dtype.
     block: int = 0
+
+    @property
+    def row(self) -> CombineRow:
+        return COMBINES[self.combine]
 
 
 @dataclass(frozen=True)
@@ -102,6 +107,25 @@ class Piece:
     stores: tuple[Store, ...]
 
 
+class Schedule(StrEnum):
+    """How a kernel's loops are laid out and shared between threads (lower/schedule.py)."""
+
+    POINTWISE = "pointwise"  # one flat (or tiled) loop over the domain
+    ROWS = "rows"  # each thread reduces whole rows, lanes along the reduced dims
+    COLUMNS = "columns"  # lanes are neighbouring outputs (reductions over leading dims, pools)
+    SPLIT = "split"  # few long rows: the threads share each row
+    COLUMNS_SPLIT = "columns_split"  # columns, too few of them: the threads share the rows
+
+    @property
+    def shared_rows(self) -> bool:
+        """Do the threads share each row (partials combined after a barrier)?"""
+        return self in (Schedule.SPLIT, Schedule.COLUMNS_SPLIT)
+
+    @property
+    def columns(self) -> bool:
+        return self in (Schedule.COLUMNS, Schedule.COLUMNS_SPLIT)
+
+
 @dataclass(frozen=True)
 class Kernel:
     name: str
@@ -110,8 +134,7 @@ class Kernel:
     outer: tuple[Var, ...]
     inner: tuple[Var, ...]
     passes: tuple[Pass, ...]
-    # 'pointwise' | 'rows' (each thread reduces whole rows) | 'split' (threads share a row)
-    schedule: str = "pointwise"
+    schedule: Schedule = Schedule.POINTWISE
     reduction_size: int = 1  # elements folded into each accumulator
     checks: tuple[Expr, ...] = ()  # conditions that raise ZeroDivisionError when true
     # (output, input) buffer pairs that may share memory: every read of the input element
@@ -159,8 +182,7 @@ class Kernel:
     def parallel(self) -> bool:
         """Whether threads share the work: below PARALLEL_MIN elements, waking the team
         costs more than it saves."""
-        split = self.schedule in ("split", "columns_split")
-        return split or self.outer_size * self.inner_size >= PARALLEL_MIN
+        return self.schedule.shared_rows or self.outer_size * self.inner_size >= PARALLEL_MIN
 
 
 def map_indices(

@@ -27,12 +27,13 @@ from typing import Any
 
 import torch
 
+from ..ir.combine import COMBINES, Combine, Family
 from ..ir.graph import CONSTANT, GETITEM, Graph, Node, TensorMeta, bind
 from ..ir.index import Ix, Var, address, delinearize, linearize
 from ..ir.ops import Kind, info, is_generator, reads_through, short
 from ..ir.scalar import Expr, cast, const, opmath, walk
 from .constants import formula as constant_formula
-from .kernel import Accumulate, Buffer, Kernel, Pass, Store
+from .kernel import Accumulate, Buffer, Kernel, Pass, Schedule, Store
 from .precision import SUM_BLOCK, RowPrecision, short_sum, sum_in_runs
 
 
@@ -63,19 +64,19 @@ def reduce_dims(n: Node) -> tuple[tuple[int, ...], bool]:
     return norm, bool(a.get("keepdim", False))
 
 
-def acc_dtype(combine: str, dtype: torch.dtype, terms: int) -> torch.dtype:
+def acc_dtype(combine: Combine, dtype: torch.dtype, terms: int) -> torch.dtype:
     """Accumulator dtype for a reduction of `terms` elements: sums and variances of floats
     accumulate in float64, so long reductions stay at least as accurate as torch's cascaded
     float32 sums; a float32 sum of a few terms (a pooling window) in float32."""
-    if combine in ("any", "all"):
+    if COMBINES[combine].logical:
         return torch.bool
     if short_sum(combine, opmath(dtype), terms):
         return torch.float32
-    if combine in ("sum", "welford"):
+    if combine in (Combine.SUM, Combine.WELFORD):
         if dtype.is_floating_point:
             return torch.float64
         return torch.int64
-    if combine == "prod" and not dtype.is_floating_point:
+    if combine is Combine.PROD and not dtype.is_floating_point:
         return torch.int64
     return opmath(dtype)
 
@@ -276,17 +277,16 @@ class _Lowering:
         in_dtype = src.tensor.dtype
         adt = acc_dtype(red.combine, in_dtype, self.reduction_size)
         name = f"acc{len(self.accumulates)}"
-        # max/min/argmax compare values exactly in opmath; sums and variances accumulate in adt
-        selects = red.combine in ("argmax", "argmin", "max", "min")
-        value = cast(x, opmath(in_dtype)) if selects else cast(x, adt)
+        row = COMBINES[red.combine]
+        value = cast(x, opmath(in_dtype)) if row.exact else cast(x, adt)
         metas = r.meta if isinstance(r.meta, tuple) else (r.meta,)
         out_t = [opmath(m.dtype) for m in metas]
         block = 0
         narrow = opmath(in_dtype) == torch.float32 == out_t[0]
-        if red.combine == "sum" and adt == torch.float64 and narrow and sum_in_runs(x):
+        if red.combine is Combine.SUM and adt == torch.float64 and narrow and sum_in_runs(x):
             value, block = cast(x, torch.float32), SUM_BLOCK
         position: Ix | None = None
-        if red.combine in ("argmax", "argmin"):
+        if row.family is Family.ARGSELECT:
             position = Ix()
             for d in self.dims:
                 position = position * self.full_shape[d] + self.full_index[d]
@@ -375,7 +375,7 @@ class _Lowering:
             outer=tuple(v for d, v in enumerate(self.full_vars) if d not in self.dims),
             inner=tuple(v for d, v in enumerate(self.full_vars) if d in self.dims),
             passes=passes,
-            schedule="pointwise" if not self.dims else "rows",
+            schedule=Schedule.POINTWISE if not self.dims else Schedule.ROWS,
             reduction_size=self.reduction_size,
             checks=tuple(self.checks),
         )

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from ..ir.combine import Combine
 from ..ir.graph import Node
 from ..ir.index import Var
 from ..ir.scalar import Expr, cast, sign, walk
@@ -53,12 +54,12 @@ WIDENS = frozenset(
 )
 
 
-def short_sum(combine: str, dtype: torch.dtype, terms: int) -> bool:
+def short_sum(combine: Combine, dtype: torch.dtype, terms: int) -> bool:
     """Whether a float32 sum accumulates in float32: one of at most SHORT_SUM terms (a
     pooling window) errs as little as eager's float32 pooling, and float64 would halve the
     vector width and convert every term (PoolFormer's 3x3 average, NHWC 8x64x56x56:
     1.67 -> 1.06 ms)."""
-    return combine == "sum" and dtype == torch.float32 and terms <= SHORT_SUM
+    return combine is Combine.SUM and dtype == torch.float32 and terms <= SHORT_SUM
 
 
 def sum_in_runs(term: Expr) -> bool:

@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
+from ..ir.combine import Family
 from ..ir.index import Clamp, Ix, Var
 from ..ir.scalar import Expr, walk
-from .kernel import Kernel, map_indices
+from .kernel import Kernel, Schedule, map_indices
 from .refine import refine
 from .split import with_pieces
 from .tile import tile_transposes
@@ -149,23 +150,22 @@ TWO_PASS_MAX_BYTES = 64 * 1024
 
 
 def _variance_algorithm(k: Kernel) -> Kernel:
-    if k.schedule != "rows" or k.inner_size * 8 > TWO_PASS_MAX_BYTES:
+    if k.schedule is not Schedule.ROWS or k.inner_size * 8 > TWO_PASS_MAX_BYTES:
         return k
     passes = []
     for p in k.passes:
         accs = p.accumulates
-        simple = all(
-            a.combine in ("sum", "prod", "max", "min", "any", "all", "welford") for a in accs
-        )
-        if simple and any(a.combine == "welford" for a in accs):
+        simple = all(a.row.family is not Family.ARGSELECT for a in accs)
+        if simple and any(a.row.family is Family.WELFORD for a in accs):
             accs = tuple(
-                replace(a, algorithm="two_pass") if a.combine == "welford" else a for a in accs
+                replace(a, algorithm="two_pass") if a.row.family is Family.WELFORD else a
+                for a in accs
             )
         passes.append(replace(p, accumulates=accs))
     return replace(k, passes=tuple(passes))
 
 
-def _choose(k: Kernel) -> str:
+def _choose(k: Kernel) -> Schedule:
     """rows: each thread reduces whole rows, lanes along the reduced dimension.
     columns: the dimension memory walks contiguously is a kept one (a reduction over
     leading dims, channels-last statistics), or each output reduces a small window (a
@@ -175,7 +175,7 @@ def _choose(k: Kernel) -> str:
     statistics of 64 channels-last channels: one block): every thread takes a slice of the
     reduced rows and the threads merge their lanes."""
     if not k.inner:
-        return "pointwise"
+        return Schedule.POINTWISE
     primary = _largest_stream(k)
     if primary is not None and k.outer:
         unit = [v for v in (*k.outer, *k.inner) if abs(primary.coef(v)) == 1]
@@ -185,10 +185,10 @@ def _choose(k: Kernel) -> str:
             blocks = (k.outer_size // vec.extent) * -(-vec.extent // COLUMN_LANES)
             work = k.inner_size * min(vec.extent, COLUMN_LANES)
             if blocks < SPLIT_MAX_OUTER and work >= SPLIT_MIN_INNER:
-                return "columns_split"
-            return "columns"
+                return Schedule.COLUMNS_SPLIT
+            return Schedule.COLUMNS
     if k.outer_size < SPLIT_MAX_OUTER and k.inner_size >= SPLIT_MIN_INNER:
-        return "split"
+        return Schedule.SPLIT
     # Threads that share lines are slower than threads that meet at two barriers per row,
     # while the rows are long: measured BatchNorm over NCHW writing channels-last,
     # 8x16x64x64 1.48 -> 0.53 ms, 8x128x28x28 3.18 -> 1.41, 1x64x56x56 0.56 -> 0.39;
@@ -199,8 +199,8 @@ def _choose(k: Kernel) -> str:
         and k.inner_size >= SPLIT_SHARED_LINES_MIN_INNER
         and _shares_lines(k)
     ):
-        return "split"
-    return "rows"
+        return Schedule.SPLIT
+    return Schedule.ROWS
 
 
 def _window(k: Kernel, primary: Ix, vec: Var) -> bool:

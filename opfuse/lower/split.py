@@ -17,7 +17,7 @@ import torch
 
 from ..ir.index import Clamp, Ix, Var
 from ..ir.scalar import Expr, const, walk
-from .kernel import Kernel, Piece, Store
+from .kernel import Kernel, Piece, Schedule, Store
 
 MAX_PIECES = 9  # more pieces than this and the loop overhead outweighs what they save
 _CMP = ("lt", "le", "gt", "ge", "eq", "ne")
@@ -25,7 +25,7 @@ _CMP = ("lt", "le", "gt", "ge", "eq", "ne")
 
 def split_vector_loop(k: Kernel) -> tuple[Piece, ...]:
     """The pieces the innermost loop of pointwise kernel `k` runs as; () to run it whole."""
-    if k.schedule != "pointwise" or len(k.outer) < 2 or k.checks or len(k.passes) != 1:
+    if k.schedule is not Schedule.POINTWISE or len(k.outer) < 2 or k.checks or len(k.passes) != 1:
         return ()
     v = k.outer[-1]
     stores = k.passes[0].stores

@@ -15,7 +15,7 @@ from dataclasses import replace
 from functools import partial
 
 from ..ir.index import Ix, Var
-from .kernel import Kernel, map_indices
+from .kernel import Kernel, Schedule, map_indices
 
 TILE = 16  # floats per 64-byte line: one vector of stores, one line per load row
 MIN_INPUT_BYTES = 1 << 20  # smaller inputs stay in L2 untiled (measured: 96x128x64 is fine)
@@ -26,7 +26,7 @@ def tile_transposes(k: Kernel, accesses: list[tuple[str, Ix]]) -> Kernel:
     another variable reads it along them; `k` itself otherwise. `accesses` are k's
     (buffer, index) reads, stores and position tests. Kernels with gathers keep their
     loops (the vector loop's cuts at a gather's edges need its variable whole)."""
-    if k.schedule != "pointwise" or len(k.outer) < 2 or k.checks:
+    if k.schedule is not Schedule.POINTWISE or len(k.outer) < 2 or k.checks:
         return k
     if not all(ix.is_affine() for _, ix in accesses):
         return k

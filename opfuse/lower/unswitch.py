@@ -17,7 +17,7 @@ from dataclasses import replace
 
 from ..ir.index import Ix, Var
 from ..ir.scalar import Expr, walk
-from .kernel import Kernel, rewrite
+from .kernel import Kernel, Schedule, rewrite
 from .split import cuts_of, fold
 
 MAX_CASES = 8  # more cases than this and the kernel's code grows more than it saves
@@ -30,7 +30,7 @@ def unswitch(k: Kernel) -> Kernel:
         return k
     # The innermost outer variable of these schedules is the vector loop (split.py) or the
     # block of column lanes: cutting it would cut the vectors.
-    vector = k.schedule in ("pointwise", "columns", "columns_split")
+    vector = k.schedule is Schedule.POINTWISE or k.schedule.columns
     movable = k.outer[:-1] if vector else k.outer
     roots = [e for p in k.passes for e in p.values]
     before = _loads(roots)

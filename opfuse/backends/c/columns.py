@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ...ir.combine import Family
 from ...ir.scalar import Expr
 from ...lower.kernel import Accumulate, Kernel
 from ...lower.schedule import COLUMN_LANES
@@ -58,7 +59,7 @@ def columns(k: Kernel, lines: list[str], split: bool = False) -> None:
         for a in p.accumulates:
             for part, suffix in _lane_parts(a):
                 dtype = torch.int64 if part == "index" else a.acc_dtype
-                if a.combine in ("argmax", "argmin") and part == "value":
+                if a.row.family is Family.ARGSELECT and part == "value":
                     dtype = a.value.dtype
                 em.scopes[0][Expr("acc", (), dtype, (a.name, part))] = f"{a.name}_L{suffix}[l]"
         if p.after:
@@ -91,7 +92,7 @@ def _open_split_region(k: Kernel, lines: list[str], ext: int, width: int) -> Non
         for a in p.accumulates:
             for suffix, t, _ in _lane_fields(a):
                 lines.append(f"  {t} {a.name}_P{suffix}[(nthreads > 0 ? nthreads : 1) * {width}];")
-            if a.combine == "welford":
+            if a.row.family is Family.WELFORD:
                 t = VALUE[a.acc_dtype]
                 lines.append(f"  {t} {a.name}_Pcnt[nthreads > 0 ? nthreads : 1];")
     _thread_slices(lines, ext, 1)
@@ -106,13 +107,13 @@ def _merge_column_lanes(accs: Sequence[Accumulate], lines: list[str], ind: str) 
             f"{a.name}_P{s}[tid * {w} + l] = {a.name}_L{s}[l];" for s, _, _ in _lane_fields(a)
         )
         lines.append(f"{ind}for (int l = 0; l < nl; l++) {{ {copy} }}")
-        if a.combine == "welford":
+        if a.row.family is Family.WELFORD:
             lines.append(f"{ind}{a.name}_Pcnt[tid] = {a.name}_n;")
     lines.append(f"{ind}#pragma omp barrier")
     for a in accs:
         t = VALUE[a.acc_dtype]
         reset = " ".join(f"{a.name}_L{s}[l] = {v};" for s, _, v in _lane_fields(a))
-        if a.combine == "welford":
+        if a.row.family is Family.WELFORD:
             lines.append(f"{ind}{t} {a.name}_Lcnt[{w}];")
             reset += f" {a.name}_Lcnt[l] = 0;"
         lines.append(f"{ind}for (int l = 0; l < nl; l++) {{ {reset} }}")
@@ -125,8 +126,8 @@ def _merge_column_lanes(accs: Sequence[Accumulate], lines: list[str], ind: str) 
 def _lane_parts(a: Accumulate) -> list[tuple[str, str]]:
     """(result part, lane array suffix): in the columns schedule each lane's array slot is
     already that column's result."""
-    if a.combine in ("argmax", "argmin"):
+    if a.row.family is Family.ARGSELECT:
         return [("value", "v"), ("index", "i")]
-    if a.combine == "welford":
+    if a.row.family is Family.WELFORD:
         return [("mean", "mean"), ("m2", "m2")]
     return [("value", "")]

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ...ir.combine import Family, Identity
 from ...ir.index import Var
 from ...ir.scalar import Expr
 from ...lower.kernel import Accumulate, Kernel, Pass
@@ -35,44 +36,48 @@ ROW_STAGE = 4096  # elements of a row staged whole (16 KiB per float32 operand, 
 
 
 def lanes_for(accs: Sequence[Accumulate]) -> int:
-    return WELFORD_LANES if any(a.combine == "welford" for a in accs) else LANES
+    return WELFORD_LANES if any(_welford(a) for a in accs) else LANES
+
+
+def _welford(a: Accumulate) -> bool:
+    return a.row.family is Family.WELFORD
+
+
+def identity(a: Accumulate) -> str:
+    """The C value a fold of `a` starts from."""
+    t, ident = a.acc_dtype, a.row.identity
+    if ident is Identity.LOWEST:
+        return "(-INFINITY)" if t.is_floating_point else _INT_LIMITS[t][0]
+    if ident is Identity.HIGHEST:
+        return "INFINITY" if t.is_floating_point else _INT_LIMITS[t][1]
+    return ident.value
 
 
 # _mean / _m2 / _cnt, per-thread partials NAME_P.. (split schedule).
 def _lane_fields(a: Accumulate) -> list[tuple[str, str, str]]:
     """(suffix, C type, initial value) of each lane array."""
-    t = a.acc_dtype
-    ct = VALUE[t]
-    if a.combine == "sum" or a.combine == "any":
-        return [("", ct, "0")]
-    if a.combine == "prod" or a.combine == "all":
-        return [("", ct, "1")]
-    if a.combine in ("max", "argmax"):
-        lo = "(-INFINITY)" if t.is_floating_point else _INT_LIMITS[t][0]
-        if a.combine == "max":
-            return [("", ct, lo)]
-        return [("v", ct, lo), ("i", "int64_t", "INT64_MAX")]
-    if a.combine in ("min", "argmin"):
-        hi = "INFINITY" if t.is_floating_point else _INT_LIMITS[t][1]
-        if a.combine == "min":
-            return [("", ct, hi)]
-        return [("v", ct, hi), ("i", "int64_t", "INT64_MAX")]
-    return [("mean", ct, "0"), ("m2", ct, "0")]  # welford
+    ct = VALUE[a.acc_dtype]
+    family = a.row.family
+    if family is Family.WELFORD:
+        return [("mean", ct, "0"), ("m2", ct, "0")]
+    if family is Family.ARGSELECT:
+        return [("v", ct, identity(a)), ("i", "int64_t", "INT64_MAX")]
+    return [("", ct, identity(a))]
 
 
 def _results(a: Accumulate) -> list[tuple[str, str]]:
     """(part, C type) of the combined results."""
     ct = VALUE[a.acc_dtype]
-    if a.combine in ("argmax", "argmin"):
+    if a.row.family is Family.ARGSELECT:
         return [("value", ct), ("index", "int64_t")]
-    if a.combine == "welford":
+    if _welford(a):
         return [("cnt", ct), ("mean", ct), ("m2", ct)]
     return [("value", ct)]
 
 
 def _suffix(a: Accumulate, part: str) -> str:
     """Array suffix that holds result `part` (lane and partial arrays share suffixes)."""
-    if a.combine in ("argmax", "argmin"):
+    if a.row.family is Family.ARGSELECT:
         return "v" if part == "value" else "i"
     return "" if part == "value" else part
 
@@ -93,7 +98,7 @@ def _declare_lanes(
             lines.append(f"{indent}{t} {a.name}_L{suffix}[{lanes}];")
         body = " ".join(f"{a.name}_L{s}[l] = {v};" for s, _, v in fields)
         lines.append(f"{indent}for (int l = 0; l < {used or lanes}; l++) {{ {body} }}")
-        if a.combine == "welford":
+        if _welford(a):
             t = VALUE[a.acc_dtype]
             lines.append(f"{indent}{t} {a.name}_n = 0;  /* elements in each lane so far */")
             lines.append(f"{indent}{t} {a.name}_tmean = 0, {a.name}_tm2 = 0, {a.name}_tn = 0;")
@@ -102,19 +107,19 @@ def _declare_lanes(
 def _update(a: Accumulate, v: str, lane: str, pos: str, indent: str, tail: bool) -> list[str]:
     n = f"{a.name}_L"
     t = VALUE[a.acc_dtype]
-    if a.combine in ("sum", "prod", "any", "all"):
-        op = {"sum": "+", "prod": "*", "any": "|", "all": "&"}[a.combine]
-        return [f"{indent}{n}[{lane}] {op}= {v};"]
-    if a.combine in ("max", "min"):
+    r = a.row
+    if r.family is Family.FOLD:
+        return [f"{indent}{n}[{lane}] {r.op}= {v};"]
+    if r.family is Family.SELECT:
         if a.acc_dtype.is_floating_point:
             # The new value first: gcc 12 does not vectorise `acc = max(acc, max(x, 0))`
             # (a pooled ReLU: "no vectype for stmt"; 47 ms against 2.3 ms for 8x128x112x112
             # NHWC), but does `max(max(x, 0), acc)`. NaN stays sticky either way.
-            return [f"{indent}{n}[{lane}] = op_{a.combine}_{t}({v}, {n}[{lane}]);"]
-        cmp = "<" if a.combine == "max" else ">"
+            return [f"{indent}{n}[{lane}] = op_{r.op}_{t}({v}, {n}[{lane}]);"]
+        cmp = "<" if r.op == "max" else ">"
         return [f"{indent}{n}[{lane}] = ({n}[{lane}] {cmp} {v}) ? {v} : {n}[{lane}];"]
-    if a.combine in ("argmax", "argmin"):
-        f = "op_take_max" if a.combine == "argmax" else "op_take_min"
+    if r.family is Family.ARGSELECT:
+        f = f"op_take_{r.op}"
         return [
             f"{indent}{{ const bool tk = {f}_{t}({v}, {pos}, {n}v[{lane}], {n}i[{lane}]);",
             f"{indent}  {n}v[{lane}] = tk ? {v} : {n}v[{lane}];",
@@ -144,16 +149,16 @@ def _merge_step(
         return f"{n}_L{_suffix(a, part)}[l]" if lane else f"{n}_{part}"
 
     v, i = dst("value"), dst("index")
-    if a.combine in ("sum", "prod", "any", "all"):
-        op = {"sum": "+", "prod": "*", "any": "|", "all": "&"}[a.combine]
-        return f"{v} = {v} {op} {src}[{idx}];"
-    if a.combine in ("max", "min"):
+    r = a.row
+    if r.family is Family.FOLD:
+        return f"{v} = {v} {r.op} {src}[{idx}];"
+    if r.family is Family.SELECT:
         if a.acc_dtype.is_floating_point:
-            return f"{v} = op_{a.combine}_{t}({v}, {src}[{idx}]);"
-        cmp = "<" if a.combine == "max" else ">"
+            return f"{v} = op_{r.op}_{t}({v}, {src}[{idx}]);"
+        cmp = "<" if r.op == "max" else ">"
         return f"{v} = ({v} {cmp} {src}[{idx}]) ? {src}[{idx}] : {v};"
-    if a.combine in ("argmax", "argmin"):
-        f = "op_take_max" if a.combine == "argmax" else "op_take_min"
+    if r.family is Family.ARGSELECT:
+        f = f"op_take_{r.op}"
         return (
             f"if ({f}_{t}({src}v[{idx}], {src}i[{idx}], {v}, {i})) "
             f"{{ {v} = {src}v[{idx}]; {i} = {src}i[{idx}]; }}"
@@ -170,7 +175,7 @@ def _combine_lanes(
     if clause:
         return  # the pass's reduction clause already combined it into NAME_value
     n = a.name
-    if a.combine == "welford":
+    if _welford(a):
         t = VALUE[a.acc_dtype]
         lines.append(f"{indent}{t} {n}_cnt = {n}_tn, {n}_mean = {n}_tmean, {n}_m2 = {n}_tm2;")
         lines.append(f"{indent}{t} {n}_Lcnt[{lanes}];")
@@ -191,17 +196,16 @@ def _combine_lanes(
     lines.append(f"{indent}for (int l = 0; l < {lanes}; l++) {_merge_step(a, n + '_L', 'l')}")
 
 
-# Combines OpenMP reduces itself: the compiler then picks the vector width. Welford and
-# argmax/argmin need their own lanes (explicit arrays, see _pass_body).
-OMP_REDUCTION = {"sum": "+", "prod": "*", "max": "max", "min": "min", "any": "|", "all": "&"}
-
-
 def _simple(accs: Sequence[Accumulate]) -> bool:
-    """Can OpenMP's reduction clauses do this pass (two-pass variances included)?"""
-    return all(
-        a.combine in OMP_REDUCTION or (a.combine == "welford" and a.algorithm == "two_pass")
-        for a in accs
-    )
+    """Can OpenMP's reduction clauses do this pass (two-pass variances included)? Then
+    the compiler picks the vector width; Welford and argmax/argmin need their own lanes
+    (explicit arrays, see _pass_body)."""
+    return all(a.row.omp or (_welford(a) and a.algorithm == "two_pass") for a in accs)
+
+
+def _nan_flag(a: Accumulate) -> bool:
+    """Does the pass OR a NaN flag next to the clause (OpenMP's float max/min drop NaN)?"""
+    return a.row.family is Family.SELECT and a.acc_dtype.is_floating_point
 
 
 def _pass_body(
@@ -297,20 +301,19 @@ def _reduction_clause_pass(
     the whole row. Float max/min also OR a NaN flag (OpenMP's max drops NaN). A two-pass
     variance sums the row, then the squared deviations from its mean, in a second loop."""
     clauses = []
-    welford = [a for a in p.accumulates if a.combine == "welford"]
+    welford = [a for a in p.accumulates if _welford(a)]
     for a in p.accumulates:
         t = VALUE[a.acc_dtype]
-        if a.combine == "welford":
+        if _welford(a):
             lines.append(f"{indent}{t} {a.name}_sum = 0, {a.name}_m2 = 0;")
             clauses.append(f"reduction(+:{a.name}_sum)")
             continue
-        init = _lane_fields(a)[0][2]
-        lines.append(f"{indent}{t} {a.name}_value = {init};")
+        lines.append(f"{indent}{t} {a.name}_value = {identity(a)};")
         if a.block:
             clauses.append(f"reduction(+:{a.name}_run)")
             continue
-        clauses.append(f"reduction({OMP_REDUCTION[a.combine]}:{a.name}_value)")
-        if a.combine in ("max", "min") and a.acc_dtype.is_floating_point:
+        clauses.append(f"reduction({a.row.omp}:{a.name}_value)")
+        if _nan_flag(a):
             lines.append(f"{indent}int {a.name}_nan = 0;")
             clauses.append(f"reduction(|:{a.name}_nan)")
     hoisted = invariant([*(a.value for a in p.accumulates), *(s.value for s in p.stores)], inner)
@@ -354,17 +357,17 @@ def _reduction_clause_pass(
         em.emit([a.value for a in p.accumulates], lines, body)
         for a in p.accumulates:
             val = em.ref(a.value)
-            if a.combine == "welford":
+            if _welford(a):
                 lines.append(f"{body}{a.name}_sum += {val};")
                 continue
             n = f"{a.name}_run" if a.block else f"{a.name}_value"
-            if a.combine in ("max", "min"):
-                cmp = ">" if a.combine == "max" else "<"
+            if a.row.family is Family.SELECT:
+                cmp = ">" if a.row.op == "max" else "<"
                 if a.acc_dtype.is_floating_point:
                     lines.append(f"{body}{a.name}_nan |= ({val} != {val});")
                 lines.append(f"{body}{n} = ({n} {cmp} {val}) ? {n} : {val};")
             else:
-                lines.append(f"{body}{n} {OMP_REDUCTION[a.combine]}= {val};")
+                lines.append(f"{body}{n} {a.row.op}= {val};")
         if not welford:
             emit_stores(em, p.stores, lines, body)
 
@@ -384,9 +387,9 @@ def _reduction_clause_pass(
         count *= v.extent
     for a in p.accumulates:
         t = VALUE[a.acc_dtype]
-        if a.combine in ("max", "min") and a.acc_dtype.is_floating_point:
+        if _nan_flag(a):
             lines.append(f"{indent}if ({a.name}_nan) {a.name}_value = ({t})NAN;")
-        if a.combine == "welford":
+        if _welford(a):
             lines.append(
                 f"{indent}const {t} {a.name}_cnt = {count}, {a.name}_mean = {a.name}_sum / {count};"
             )
@@ -410,7 +413,7 @@ def _lane_loop(
     emit.simd_loop); with two lane variables (folded loops) that is every operand read
     through them."""
     for a in p.accumulates:
-        if a.combine == "welford":
+        if _welford(a):
             t = VALUE[a.acc_dtype]
             lines.append(f"{ind}{a.name}_n += 1; const {t} {a.name}_inv = 1 / {a.name}_n;")
     var = lane[-1][0]
@@ -442,7 +445,7 @@ def _publish(em: Emitter, a: Accumulate) -> None:
         if part == "cnt":
             continue
         dtype = torch.int64 if part == "index" else a.acc_dtype
-        if a.combine in ("argmax", "argmin") and part == "value":
+        if a.row.family is Family.ARGSELECT and part == "value":
             dtype = a.value.dtype
         em.scopes[0][Expr("acc", (), dtype, (a.name, part))] = f"{a.name}_{part}"
 
@@ -549,7 +552,7 @@ def _reset_value(a: Accumulate, part: str) -> str:
         return "0"
     if part == "index":
         return "INT64_MAX"
-    return _lane_fields(a)[0][2]
+    return identity(a)
 
 
 def _thread_slices(lines: list[str], ext: int, align: int) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ...lower.kernel import Kernel, Piece, Store
+from ...lower.kernel import Kernel, Piece, Schedule, Store
 from .columns import columns
 from .emit import STORAGE, Emitter, emit_checks, emit_stores, for_loop, invariant, simd_loop
 from .reductions import rows, split
@@ -58,12 +58,12 @@ def render_kernel(name: str, k: Kernel) -> str:
 
 
 def _body(k: Kernel, lines: list[str]) -> None:
-    if k.schedule == "pointwise":
+    if k.schedule is Schedule.POINTWISE:
         _pointwise(k, lines)
-    elif k.schedule == "rows":
+    elif k.schedule is Schedule.ROWS:
         rows(k, lines)
-    elif k.schedule in ("columns", "columns_split"):
-        columns(k, lines, split=k.schedule == "columns_split")
+    elif k.schedule.columns:
+        columns(k, lines, split=k.schedule is Schedule.COLUMNS_SPLIT)
     else:
         split(k, lines)
 

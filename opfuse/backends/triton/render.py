@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ...ir.combine import Family, Identity
 from ...ir.index import Ix, Var
 from ...ir.scalar import PRIMS, Expr, format_float
 from ...lower.kernel import Accumulate, Kernel, Pass, Store
@@ -271,10 +272,6 @@ class _Emitter(Namer):
 def render_kernel(name: str, k: Kernel) -> str:
     """The Triton source of kernel `k`: `{name}_kernel` (jit) and `{name}(args, nthreads)`,
     the launcher the runtime calls with the kernel's buffers in order."""
-    for p in k.passes:
-        for a in p.accumulates:
-            if a.combine not in _COMBINES:
-                raise NotRenderable(f"{a.combine} reductions")
     outer = k.outer_size
     lines = [f"# {name}: {', '.join(k.ops)}"]
     lines.append(f"# reads {k.bytes_read} bytes, writes {k.bytes_written} bytes")
@@ -376,18 +373,25 @@ def _pointwise(k: Kernel, lines: list[str], counter: list[int]) -> None:
         _stores(em, p.after, lines, ind)
 
 
-# combine -> (lane fields: (suffix, initial value or None for the acc dtype's identity))
-_COMBINES = {
-    "sum": (("value", "0"),),
-    "prod": (("value", "1"),),
-    "any": (("value", "0"),),
-    "all": (("value", "1"),),
-    "max": (("value", "float('-inf')"),),
-    "min": (("value", "float('inf')"),),
-    "argmax": (("value", "float('-inf')"), ("index", "9223372036854775807")),
-    "argmin": (("value", "float('inf')"), ("index", "9223372036854775807")),
-    "welford": (("mean", "0"), ("m2", "0"), ("n", "0")),
+_IDENTITY = {
+    Identity.ZERO: "0",
+    Identity.ONE: "1",
+    Identity.LOWEST: "float('-inf')",
+    Identity.HIGHEST: "float('inf')",
 }
+
+
+def _lane_fields(a: Accumulate) -> tuple[tuple[str, str], ...]:
+    """(field, initial value) of each lane tensor."""
+    r = a.row
+    if r.family is Family.WELFORD:
+        return (("mean", "0"), ("m2", "0"), ("n", "0"))
+    init = _IDENTITY[r.identity]
+    if r.family is Family.ARGSELECT:
+        return (("value", init), ("index", "9223372036854775807"))
+    return (("value", init),)
+
+
 _INT_EXTREMES = {
     torch.int8: (-(2**7), 2**7 - 1),
     torch.int16: (-(2**15), 2**15 - 1),
@@ -400,14 +404,14 @@ _INT_EXTREMES = {
 
 def _initial(a: Accumulate, field: str, init: str) -> tuple[str, str]:
     """(initial value, Triton dtype) of one lane field."""
-    t = a.acc_dtype
+    t, r = a.acc_dtype, a.row
     if field == "index":
         return init, "tl.int64"
-    if a.combine in ("any", "all"):
+    if r.logical:
         return init, "tl.int8"
-    if a.combine in ("max", "min", "argmax", "argmin") and not t.is_floating_point:
+    if r.family in (Family.SELECT, Family.ARGSELECT) and not t.is_floating_point:
         lo, hi = _INT_EXTREMES[t]
-        return str(lo if "max" in a.combine else hi), TL[t]
+        return str(lo if r.extreme_lo else hi), TL[t]
     return init, TL[t]
 
 
@@ -423,7 +427,7 @@ def _pass(
     k: Kernel, p: Pass, em: _Emitter, lines: list[str], ind: str, checks: Sequence[Expr]
 ) -> None:
     for a in p.accumulates:
-        for f, init in _COMBINES[a.combine]:
+        for f, init in _lane_fields(a):
             v, t = _initial(a, f, init)
             lines.append(f"{ind}{a.name}_l{f} = tl.full([XBLOCK, RBLOCK], {v}, {t})")
     body = ind + "    "
@@ -450,20 +454,22 @@ def _fold(a: Accumulate, em: _Emitter, lines: list[str], ind: str) -> None:
     v = em.ref(a.value)
     n = a.name
     t = TL[a.acc_dtype]
-    if a.combine in ("sum", "prod"):
-        op = "+" if a.combine == "sum" else "*"
-        lines.append(f"{ind}{n}_lvalue = tl.where(rmask, {n}_lvalue {op} {v}.to({t}), {n}_lvalue)")
-    elif a.combine in ("any", "all"):
-        op = "|" if a.combine == "any" else "&"
+    r = a.row
+    if r.family is Family.FOLD and r.logical:
         lines.append(
-            f"{ind}{n}_lvalue = tl.where(rmask, {n}_lvalue {op} ({v} != 0).to(tl.int8), {n}_lvalue)"
+            f"{ind}{n}_lvalue = tl.where(rmask, {n}_lvalue {r.op} ({v} != 0).to(tl.int8), "
+            f"{n}_lvalue)"
         )
-    elif a.combine in ("max", "min"):
-        f = "op_max" if a.combine == "max" else "op_min"
+    elif r.family is Family.FOLD:
+        lines.append(
+            f"{ind}{n}_lvalue = tl.where(rmask, {n}_lvalue {r.op} {v}.to({t}), {n}_lvalue)"
+        )
+    elif r.family is Family.SELECT:
+        f = f"op_{r.op}"
         lines.append(f"{ind}{n}_lvalue = tl.where(rmask, {f}({n}_lvalue, {v}.to({t})), {n}_lvalue)")
-    elif a.combine in ("argmax", "argmin"):
+    elif r.family is Family.ARGSELECT:
         assert a.position is not None
-        take = "take_max" if a.combine == "argmax" else "take_min"
+        take = f"take_{r.op}"
         lines.append(f"{ind}{n}_pos = rzero + {index(a.position)}")
         lines.append(
             f"{ind}{n}_take = rmask & {take}({v}.to({t}), {n}_pos, {n}_lvalue, {n}_lindex)"
@@ -479,26 +485,19 @@ def _fold(a: Accumulate, em: _Emitter, lines: list[str], ind: str) -> None:
         lines.append(f"{ind}{n}_ln = {n}_nn")
 
 
-_FINISH = {"sum": "combine_sum", "prod": "combine_prod", "max": "op_max", "min": "op_min"}
-
-
 def _finish(a: Accumulate, lines: list[str], ind: str) -> None:
-    n = a.name
-    if a.combine in ("sum", "prod", "max", "min"):
-        fn = _FINISH[a.combine]
-        lines.append(f"{ind}{n}_value = tl.reduce({n}_lvalue, 1, {fn})[:, None]")
-    elif a.combine in ("any", "all"):
-        fn = "combine_or" if a.combine == "any" else "combine_and"
-        lines.append(f"{ind}{n}_value = tl.reduce({n}_lvalue, 1, {fn})[:, None] != 0")
-    elif a.combine in ("argmax", "argmin"):
-        fn = "combine_argmax" if a.combine == "argmax" else "combine_argmin"
+    n, r = a.name, a.row
+    fn = r.triton_merge
+    if r.family in (Family.FOLD, Family.SELECT):
+        truth = " != 0" if r.logical else ""
+        lines.append(f"{ind}{n}_value = tl.reduce({n}_lvalue, 1, {fn})[:, None]{truth}")
+    elif r.family is Family.ARGSELECT:
         lines.append(f"{ind}{n}_value, {n}_index = tl.reduce(({n}_lvalue, {n}_lindex), 1, {fn})")
         lines.append(f"{ind}{n}_value = {n}_value[:, None]")
         lines.append(f"{ind}{n}_index = {n}_index[:, None]")
     else:
         lines.append(
-            f"{ind}{n}_mean, {n}_m2, {n}_n = "
-            f"tl.reduce(({n}_lmean, {n}_lm2, {n}_ln), 1, combine_welford)"
+            f"{ind}{n}_mean, {n}_m2, {n}_n = tl.reduce(({n}_lmean, {n}_lm2, {n}_ln), 1, {fn})"
         )
         lines.append(f"{ind}{n}_mean = {n}_mean[:, None]")
         lines.append(f"{ind}{n}_m2 = {n}_m2[:, None]")
