@@ -34,6 +34,7 @@ from .fusion.partition import Fuel, partition
 from .heap import release_freed_memory
 from .ir.graph import CONSTANT, INPUT, Graph
 from .lower.groups import IMPLEMENTATIONS, lower_groups
+from .lower.lowering import why_not_lowered
 from .plan import Built, BuiltCall, build_plan, copied
 from .progress import Progress
 from .report import FoldReport, FusionReport, RejectReport
@@ -149,7 +150,7 @@ def compile_graph(
     rw = rewrite(graph, opts, devices)
     graph = rw.graph
     kinds = classify(graph, devices)
-    part = partition(graph, kinds, Fuel(opts.fuel))
+    part = partition(graph, kinds, why_not_lowered, Fuel(opts.fuel))
     check_partition(graph, part)
     lowered = lower_groups(graph, part)
     module = build_triton(graph, lowered) if triton else build_module(graph, lowered)

@@ -15,6 +15,7 @@ from opfuse.capture import capture_module
 from opfuse.fusion.classify import classify
 from opfuse.fusion.groups import check_partition
 from opfuse.fusion.partition import partition
+from opfuse.lower.lowering import why_not_lowered
 from opfuse.pipeline import Options, rewrite
 from tests.conftest import Fn, assert_matches_eager
 
@@ -34,7 +35,7 @@ class Exchange(torch.nn.Module):
 
 def _partition(model: torch.nn.Module, args: tuple[Any, ...]) -> Any:
     graph = rewrite(capture_module(model, args).graph, Options()).graph
-    part = partition(graph, classify(graph))
+    part = partition(graph, classify(graph), why_not_lowered)
     check_partition(graph, part)
     return graph, part
 

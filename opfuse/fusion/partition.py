@@ -3,33 +3,15 @@
     for node in topological order:
         pointwise / reduction node: start a group, then merge in each producer group it
             reads (through views), if the merge is legal -- vertical fusion
-        matmul / conv: a library group (its epilogue attaches later, fusion/epilogue.py)
+        matmul / conv: a library group
         anything else: a fallback group run with torch
     merge pointwise groups that read the same tensor over the same domain -- horizontal
     fusion
+    each matmul / conv takes the group that reads its result as its epilogue
 
-A merge is legal when it creates no cycle between groups, when fuel remains, and when the
-merged nodes lower to one kernel (`lower_group`; its NotFusable message becomes the
-reason). Each refusal is kept as a Rejection and logged on the `opfuse.fusion` logger.
-
-The tricky case is a diamond whose sides are not both in the group:
-
-        a ----> b (group G)
-        |       |
-        +--> c (opaque) --> d
-
-Merging d into G would make G read c, which reads G: a cycle. `_creates_cycle` finds the
-path G -> c -> d through a node outside both groups.
-
-The path may also run through a third group at two different members (two branches that
-exchange values, HRNet's fuse layers):
-
-        a --> add1 (G1)         G1 = {a, add1}, G2 = {b, add2}
-        a --> mm_q --> add2     merging mm_p into G1 (its epilogue) makes G1 read b, in G2,
-        b --> add2 (G2)         while G2 reads mm_q, which reads G1: a cycle between groups
-        b --> mm_p --> add1     that no path between single nodes shows.
-
-So the search walks groups: reaching any member of a group continues from all its members.
+A merge is legal when fusion/rules.py says so (size, one reduction domain, no cycle, and
+the lowering's answer through the `lowerable` callback) and fuel remains. Each refusal is
+kept as a Rejection and logged on the `opfuse.fusion` logger.
 """
 
 from __future__ import annotations
@@ -39,14 +21,12 @@ import math
 from collections.abc import Iterable
 
 from ..ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta, bind
-from ..ir.ops import ATTENTION, Kind, info, is_generator, reads_through, short
-from ..lower.lowering import NotFusable, lower_group, reduce_dims
+from ..ir.ops import ATTENTION, Kind, info, is_generator, reads_through, reduce_dims
 from .classify import Classified
 from .groups import Group, Partition, Pattern, Rejection
+from .rules import Lowerable, can_fuse, can_take_epilogue, epilogue_consumers, fusable_kind
 
 log = logging.getLogger("opfuse.fusion")
-
-MAX_GROUP_NODES = 256
 
 
 class Fuel:
@@ -65,8 +45,11 @@ class Fuel:
 
 
 class _Partitioner:
-    def __init__(self, graph: Graph, classified: Classified, fuel: Fuel) -> None:
+    def __init__(
+        self, graph: Graph, classified: Classified, fuel: Fuel, lowerable: Lowerable
+    ) -> None:
         self.g = graph
+        self.lowerable = lowerable
         self.kinds = classified.kinds
         self.why_opaque = classified.why_opaque
         self.fuel = fuel
@@ -105,8 +88,7 @@ class _Partitioner:
         log.debug("not fused: %s", r)
 
     def fusable(self, n: Node) -> bool:
-        k = self.kinds.get(n)
-        return k is not None and (k <= Kind.BROADCAST or k == Kind.REDUCTION)
+        return fusable_kind(self.kinds.get(n))
 
     def root(self, n: Node) -> Node:
         """The node whose data a value is, looking through views (getitem included)."""
@@ -171,52 +153,13 @@ class _Partitioner:
                 self.rejected.remove(rejection)
 
     def _try_merge(self, a: int, b: int) -> str | None:
-        A, B = self.members[a], self.members[b]
-        if len(A) + len(B) > MAX_GROUP_NODES:
-            return f"the group would exceed {MAX_GROUP_NODES} ops"
-        if self._creates_cycle(set(A), set(B)):
-            return "fusing would create a cycle through an op outside both groups"
-        try:
-            lower_group(self.g, A + B)
-        except NotFusable as e:
-            return str(e)
+        reason = can_fuse(self, a, b, self.lowerable)
+        if reason:
+            return reason
         if not self.fuel.take():
             return "optimization fuel exhausted (OPFUSE_FUEL)"
         self._union(a, b)
         return None
-
-    def _creates_cycle(self, A: set[Node], B: set[Node]) -> bool:
-        return self._reaches(A, B) or self._reaches(B, A)
-
-    def _reaches(self, src: set[Node], dst: set[Node]) -> bool:
-        """Is there a path src -> x -> dst with x outside both sets? Paths run between
-        groups, not nodes: a group is one kernel, so a path that enters a group at one
-        member leaves it from every member (see the module docstring's second diagram)."""
-        lo = min(self.index[n] for n in src)
-        stack = [x for x in self._preds(dst) if x not in src and x not in dst]
-        seen: set[Node] = set()
-        entered: set[int] = set()
-        while stack:
-            x = stack.pop()
-            if x in seen or x in dst:
-                continue
-            seen.add(x)
-            if x in src:
-                return True
-            gid = self.group_of.get(x)
-            if gid is None:
-                if self.index[x] >= lo:
-                    stack.extend(self._preds([x]))
-            elif gid not in entered:
-                entered.add(gid)
-                # members are in topological order: a group that ends before src begins
-                # cannot read it
-                if self.index[self.members[gid][-1]] >= lo:
-                    stack.extend(self._preds(self.members[gid]))
-        return False
-
-    def _preds(self, nodes: Iterable[Node]) -> list[Node]:
-        return [r for n in nodes for i in n.inputs() for r in self.roots(i)]
 
     def _fuse_siblings(self) -> None:
         """Groups over the same domain (pointwise: same shape; reductions: same input shape
@@ -256,68 +199,21 @@ class _Partitioner:
 
     def _attach_epilogues(self) -> None:
         """A matmul or convolution takes the pointwise group that consumes its result as
-        its epilogue (fusion/epilogue rules; how it then runs is measured later)."""
+        its epilogue (how it then runs is measured later)."""
         for a in self.g.nodes:
             if self.kinds.get(a) != Kind.ANCHOR or len(self.members[self.group_of[a]]) != 1:
                 continue
-            consumers = self._consumers(a)
+            consumers = epilogue_consumers(self, a)
             if not consumers:
                 continue
-            groups = {self.group_of.get(c) for c in consumers}
-            fusable = [c for c in consumers if self.fusable(c)]
-            what = "convolution" if "convolution" in a.op else a.op.split(".")[1]
-            if len(groups) != 1 or len(fusable) != len(consumers):
-                other = next(
-                    c
-                    for c in consumers
-                    if c not in fusable or self.group_of.get(c) != self.group_of.get(consumers[0])
-                )
-                if len(consumers) == 1:
-                    why = f"{what} output feeds {short(other.op)} (not an elementwise op)"
-                else:
-                    why = f"{what} output has {len(consumers)} users in different kernels"
-                self._reject(a, other, why)
+            refused = can_take_epilogue(self, a, consumers, self.lowerable)
+            if refused is None and not self.fuel.take():
+                refused = consumers[0], "optimization fuel exhausted (OPFUSE_FUEL)"
+            if refused is not None:
+                self._reject(a, *refused)
                 continue
-            gid = self.group_of[consumers[0]]
-            red = next((m for m in self.members[gid] if self.kinds.get(m) == Kind.REDUCTION), None)
-            if red is not None:
-                op, rop = short(consumers[0].op), short(red.op)
-                via = "" if op == rop else f" through {op}"
-                self._reject(a, consumers[0], f"{what} output feeds a reduction ({rop}){via}")
-                continue
-            reason = self._try_epilogue(a, gid)
-            if reason:
-                self._reject(a, consumers[0], reason)
-            else:
-                self._fused(a.name, consumers[0].name, "epilogue")
-
-    def _consumers(self, a: Node) -> list[Node]:
-        out: list[Node] = []
-        stack = list(self.g.users[a])
-        while stack:
-            u = stack.pop()
-            if self.kinds.get(u) == Kind.INJECTIVE and u.op != GETITEM and not info(u.op).copies:
-                stack.extend(self.g.users[u])
-                if u in self.g.output_set:
-                    out.append(u)
-            elif u not in out:
-                out.append(u)
-        return sorted(out, key=self.index.__getitem__)
-
-    def _try_epilogue(self, a: Node, gid: int) -> str | None:
-        from ..lower.epilogue import check_epilogue
-
-        members = [a, *self.members[gid]]
-        if self._creates_cycle({a}, set(self.members[gid])):
-            return "fusing would create a cycle through an op outside both groups"
-        try:
-            check_epilogue(self.g, a, members)
-        except NotFusable as e:
-            return str(e)
-        if not self.fuel.take():
-            return "optimization fuel exhausted (OPFUSE_FUEL)"
-        self._union(self.group_of[a], gid)
-        return None
+            self._union(self.group_of[a], self.group_of[consumers[0]])
+            self._fused(a.name, consumers[0].name, "epilogue")
 
     def _record_boundaries(self) -> None:
         """Say why a fused value leaves its kernel for a library call or a torch op."""
@@ -417,6 +313,9 @@ def _toposort(groups: list[Group], graph: Graph) -> list[Group]:
     return order
 
 
-def partition(graph: Graph, classified: Classified, fuel: Fuel | None = None) -> Partition:
-    """Group the graph's nodes; see the module docstring."""
-    return _Partitioner(graph, classified, fuel or Fuel()).run()
+def partition(
+    graph: Graph, classified: Classified, lowerable: Lowerable, fuel: Fuel | None = None
+) -> Partition:
+    """Group the graph's nodes; see the module docstring. `lowerable` answers what only the
+    lowering knows (lower/lowering.why_not_lowered)."""
+    return _Partitioner(graph, classified, fuel or Fuel(), lowerable).run()

@@ -844,3 +844,19 @@ def cast_args_for(op: str) -> Callable[[str], bool]:
 
 
 __all__ = ["OPS", "VIEW_OPS", "Kind", "OpInfo", "Reduction", "cast", "info", "short"]
+
+
+def reduce_dims(n: Node) -> tuple[tuple[int, ...], bool]:
+    """The dims a reduction node reduces (sorted, non-negative) and its keepdim flag."""
+    a = bind(n)
+    src = a["self"].meta
+    rank = len(src.shape)
+    dim = a.get("dim")
+    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
+        dims = tuple(range(rank))
+    elif isinstance(dim, int):
+        dims = (dim,)
+    else:
+        dims = tuple(dim)
+    norm = tuple(sorted({d + rank if d < 0 else d for d in dims})) if rank else ()
+    return norm, bool(a.get("keepdim", False))

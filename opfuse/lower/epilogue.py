@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from ..ir.graph import CONSTANT, GETITEM, Graph, Node, TensorMeta, bind
+from ..ir.graph import CONSTANT, GETITEM, Graph, Node, bind
 from ..ir.index import Ix, Var, address
-from ..ir.ops import VIEW_OPS, info
+from ..ir.ops import VIEW_OPS
 from ..ir.scalar import walk
 from .kernel import Kernel, map_indices
 from .lowering import NotFusable, _Lowering, lower_group, lower_on_domain, used_outside
@@ -416,21 +416,3 @@ def epilogue_outputs(graph: Graph, members: Sequence[Node]) -> list[Node]:
     """Values of the group read outside it (by the lowering's rule: what it must store)."""
     inside = set(members)
     return [m for m in members if used_outside(graph, m, inside)]
-
-
-def check_epilogue(graph: Graph, anchor: Node, members: Sequence[Node]) -> None:
-    """Raise NotFusable unless `members` (anchor included) can run as one epilogue group."""
-    epi = [m for m in members if m is not anchor]
-    outs = epilogue_outputs(graph, members)
-    if anchor in outs:
-        raise NotFusable(f"{anchor.op.split('.')[1]} output is also read outside the epilogue")
-    for m in epi:
-        if not info(m.op).pointwise:
-            raise NotFusable(f"{m.op} cannot run in an epilogue")
-    numel = anchor.tensor.numel
-    for o in outs:
-        if not isinstance(o.meta, TensorMeta) or o.tensor.numel != numel:
-            raise NotFusable(
-                f"epilogue output {o.name} is not the size of the {anchor.op.split('.')[1]} output"
-            )
-    lower_group(graph, epi)  # the unfused form must lower: it is the fallback of every group

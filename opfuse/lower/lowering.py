@@ -30,8 +30,9 @@ import torch
 from ..ir.combine import COMBINES, Combine, Family
 from ..ir.graph import CONSTANT, GETITEM, Graph, Node, TensorMeta, bind
 from ..ir.index import Ix, Var, address, delinearize, linearize
-from ..ir.ops import Kind, info, is_generator, reads_through, short
+from ..ir.ops import Kind, info, is_generator, reads_through, reduce_dims, short
 from ..ir.scalar import Expr, cast, const, opmath, walk
+from ..ir.uses import used_outside
 from .constants import formula as constant_formula
 from .kernel import Accumulate, Buffer, Kernel, Pass, Schedule, Store
 from .precision import SUM_BLOCK, RowPrecision, short_sum, sum_in_runs
@@ -46,22 +47,6 @@ _CONVERSIONS = frozenset({"aten._to_copy.default", "prims.convert_element_type.d
 # Fewest elements a thread should reduce before a row is split across threads.
 SPLIT_MIN_INNER = 1 << 16
 MAX_RECOMPUTED = 8
-
-
-def reduce_dims(n: Node) -> tuple[tuple[int, ...], bool]:
-    """The dims a reduction node reduces (sorted, non-negative) and its keepdim flag."""
-    a = bind(n)
-    src = a["self"].meta
-    rank = len(src.shape)
-    dim = a.get("dim")
-    if dim is None or (isinstance(dim, (list, tuple)) and len(dim) == 0):
-        dims = tuple(range(rank))
-    elif isinstance(dim, int):
-        dims = (dim,)
-    else:
-        dims = tuple(dim)
-    norm = tuple(sorted({d + rank if d < 0 else d for d in dims})) if rank else ()
-    return norm, bool(a.get("keepdim", False))
 
 
 def acc_dtype(combine: Combine, dtype: torch.dtype, terms: int) -> torch.dtype:
@@ -81,24 +66,8 @@ def acc_dtype(combine: Combine, dtype: torch.dtype, terms: int) -> torch.dtype:
     return opmath(dtype)
 
 
-def used_outside(graph: Graph, n: Node, members: set[Node]) -> bool:
-    """Must a group of `members` store value n: is it a graph output, or read outside the
-    group other than through views the group reads itself? (A tuple's components are
-    asked one by one.)"""
-    if n in graph.output_set:
-        return True
-    for u in graph.users[n]:
-        if u in members:
-            continue
-        if info(u.op).kind == Kind.INJECTIVE and u.op != GETITEM:
-            # A view read inside the group is remapped; one read outside needs n stored.
-            if used_outside(graph, u, members):
-                return True
-            continue
-        if u.op == GETITEM and isinstance(n.meta, tuple):
-            continue
-        return True
-    return False
+# a stored value: (buffer, index in it, value, store only where this is 0)
+_Root = tuple[Buffer, tuple[Ix, ...], Expr, "Ix | None"]
 
 
 class _Lowering:
@@ -115,7 +84,8 @@ class _Lowering:
         # computed another way (the GEMM result, read from its block buffer).
         self.fixed_domain = domain
         self.overrides = overrides or {}
-        self.order = [n for n in graph.nodes if n in self.members]
+        index = graph.index
+        self.order = sorted((m for m in self.members if m in index), key=index.__getitem__)
         self.memo: dict[tuple[Node, tuple[Ix, ...]], Expr] = {}
         self.in_buffers: dict[Node, Buffer] = {}
         self.accumulates: dict[Node, Accumulate] = {}
@@ -319,7 +289,11 @@ class _Lowering:
         return results
 
     # -- the whole kernel ------------------------------------------------------------------
-    def run(self) -> Kernel:
+    def check(self) -> None:
+        self._roots()
+
+    def _roots(self) -> tuple[list[_Root], list[Buffer]]:
+        """The domain and every stored value: all that can refuse the group (NotFusable)."""
         if not self.order:
             raise NotFusable("empty group")
         outs = self.outputs()
@@ -335,7 +309,7 @@ class _Lowering:
         self.reduction_size = math.prod(self.full_shape[d] for d in self.dims)
 
         out_buffers: list[Buffer] = []
-        roots: list[tuple[Buffer, tuple[Ix, ...], Expr, Ix | None]] = []
+        roots: list[_Root] = []
         for k, o in enumerate(outs):
             m = o.tensor
             guard = None
@@ -367,6 +341,10 @@ class _Lowering:
             raise NotFusable(
                 f"{len(self.recomputed)} broadcast values would be recomputed for every element"
             )
+        return roots, out_buffers
+
+    def run(self) -> Kernel:
+        roots, out_buffers = self._roots()
         passes = self._passes(roots)
         kernel = Kernel(
             name=kernel_name(self.order),
@@ -418,9 +396,7 @@ class _Lowering:
                 )
         self._set_domain(shape, dims)
 
-    def _passes(
-        self, roots: list[tuple[Buffer, tuple[Ix, ...], Expr, Ix | None]]
-    ) -> tuple[Pass, ...]:
+    def _passes(self, roots: list[_Root]) -> tuple[Pass, ...]:
         """Pass p accumulates the reductions whose inputs read only results of passes
         before p; a full-size output is stored in the first pass after the reductions it
         reads; a reduced-size output right after the last pass it reads."""
@@ -613,6 +589,17 @@ def kernel_name(nodes: Sequence[Node], limit: int = 5) -> str:
 def lower_group(graph: Graph, members: Iterable[Node]) -> Kernel:
     """Lower one fused group; raises NotFusable with the reason when it cannot be."""
     return _Lowering(graph, members).run()
+
+
+def why_not_lowered(graph: Graph, members: Iterable[Node]) -> str | None:
+    """Why `members` cannot be one kernel, or None: the fusion rules' question to the
+    lowering (fusion/rules.Lowerable). Values and the domain are built, as only the lowering
+    can; passes and the schedule, which never refuse, are not."""
+    try:
+        _Lowering(graph, members).check()
+    except NotFusable as e:
+        return str(e)
+    return None
 
 
 def lower_on_domain(
