@@ -8,7 +8,7 @@ torch.compile(model, backend="opfuse")            # inference and training
 from .api import CompiledModule, RecompileError, compile, explain
 from .fold import fold_batchnorm
 from .heap import keep_freed_memory
-from .pipeline import Options
+from .options import Options
 from .report import FusionReport
 
 __version__ = "0.1.0"

@@ -16,7 +16,8 @@ from torch.utils import _pytree as pytree
 from . import structure
 from .capture import Captured, CaptureError, capture_module
 from .explain import count_kernels
-from .pipeline import CompiledGraph, Options, compile_graph, warn_once
+from .options import Options
+from .pipeline import CompiledGraph, compile_graph, warn_once
 from .report import FusionReport, RejectReport
 from .watch import ParameterWatch
 

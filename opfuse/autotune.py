@@ -9,25 +9,37 @@ shapes, thread count, CPU, torch version), so a warm compile does not time again
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import hashlib
-import json
-import os
-import platform
-import tempfile
+import logging
 import time
-import warnings
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from .backends.c.module import Make, Module, Unavailable
+from .decisions import (
+    FUSED_MARGIN,
+    MATERIALISING,
+    REORDERING,
+    Decision,
+    decision_key,
+    load_decision,
+    save_decision,
+)
 from .fusion.groups import Group, Partition
+from .heap import release_freed_memory
 from .ir.graph import CONSTANT, INPUT, Graph, GraphBuilder, Node, TensorMeta
 from .ir.ops import Kind, info
 from .lower.lowering import used_outside
+from .plan import Built, BuiltCall, build_plan
+from .progress import Progress
+from .runtime import Runtime
+
+log = logging.getLogger("opfuse.autotune")
 
 REPS = 4  # samples per candidate, the first call's included (the fastest one counts)
 MIN_SECONDS = 0.02  # and at least this much time per candidate (short kernels are noisy)
@@ -54,45 +66,6 @@ DROP_AFTER = 3
 SETTLE_AFTER = 3
 SLACK = 0.05
 SEQUENTIAL_BYTES = 32 << 20  # candidates are timed one after the other above this
-# Part of every decision's key: a change to how candidates are timed or run (the estimator,
-# an in-place variant) makes decisions remembered under the old rules stale.
-TUNER_VERSION = "10"
-# Candidates that write the library's result to memory and read it back for the epilogue.
-# Timed alone, their intermediate stays in cache between the two kernels; inside a model it
-# evicts the data the next groups read, so they win only by a margin (ResNet-50 batch 8:
-# five 3x3 convolutions + ReLU timed 1-5% faster unfused, yet the model ran 6.5% faster
-# with every group fused).
-MATERIALISING = frozenset({"unfused", "mkl-unfused", "onednn-unfused"})
-FUSED_MARGIN = 1.10
-# torch's convolution reorders its plain weight into oneDNN's blocked layout on every call;
-# timed alone the reorder reads a weight that stays in cache. ResNet-50 batch 8 in a model
-# profile: the downsample convolutions torch's call won alone by 0.1% ran 6.07 and 10.49 ms
-# against 5.69 and 8.98 (the latter with an add fused) with prepacked weights. A lone
-# convolution's torch call must win by the same margin.
-REORDERING = frozenset({"torch"})
-
-
-@dataclass(frozen=True)
-class Decision:
-    choice: str
-    seconds: dict[str, float]  # fastest sample of each candidate that ran
-    cached: bool = False
-
-    def describe(self) -> str:
-        if not self.seconds:
-            return f"{self.choice} (forced by Options.implementation)"
-        ranked = sorted(self.seconds.items(), key=lambda kv: kv[1])
-        times = ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in ranked)
-        src = "cached decision" if self.cached else "measured"
-        why = ""
-        if self.choice != ranked[0][0] and ranked[0][0] in MATERIALISING:
-            why = f"; fused kept: within {FUSED_MARGIN - 1:.0%} of the unfused call"
-        elif self.choice != ranked[0][0] and ranked[0][0] in REORDERING:
-            why = (
-                f"; prepacked weight kept: within {FUSED_MARGIN - 1:.0%} of torch's call, "
-                "which reorders its weight on every call"
-            )
-        return f"{self.choice} ({src}: {times}{why})"
 
 
 def penalised(anchor_op: str | None, intermediate_bytes: int) -> frozenset[str]:
@@ -329,104 +302,6 @@ def _drop_losers(
             del alive[k]
 
 
-def decision_key(parts: Sequence[str]) -> str:
-    h = hashlib.sha256()
-    machine = (torch.__version__, platform.machine(), _cpu(), str(torch.get_num_threads()))
-    for p in (*parts, *machine, TUNER_VERSION):
-        h.update(p.encode())
-        h.update(b"\0")
-    return h.hexdigest()[:40]
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor()
-
-
-def _store() -> Path | None:
-    try:
-        from .backends.c.build import cache_dir
-
-        return cache_dir() / "decisions.json"
-    except Exception:
-        return None
-
-
-def load_decision(key: str) -> Decision | None:
-    path = _store()
-    if path is None:
-        return None
-    d = _read_store(path).get(key)
-    return Decision(d["choice"], d["seconds"], cached=True) if d else None
-
-
-def save_decision(key: str, d: Decision) -> None:
-    path = _store()
-    if path is None:
-        return
-    data = _read_store(path)  # bad entries are not written back
-    data[key] = {"choice": d.choice, "seconds": d.seconds}
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f)
-        os.replace(tmp, path)  # concurrent writers: last one wins, the file stays valid
-    except OSError as e:  # the decision is only not remembered
-        _warn_store_once(path, f"cannot be written ({e}): decisions are not remembered")
-
-
-def _read_store(path: Path) -> dict[str, Any]:
-    """The valid entries of the decisions file. A file that is no JSON object, and
-    entries of another shape, are ignored with one warning and left out of the next save:
-    a damaged file must not stop tuning (or compiling) for good."""
-    try:
-        data = json.loads(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValueError) as e:
-        _warn_store_once(path, f"is not readable JSON ({type(e).__name__}){_REDO}")
-        return {}
-    if not isinstance(data, dict):
-        _warn_store_once(path, f"holds a {type(data).__name__}, not an object{_REDO}")
-        return {}
-    good = {k: v for k, v in data.items() if _valid_entry(v)}
-    if len(good) != len(data):
-        _warn_store_once(path, f"has {len(data) - len(good)} malformed entries{_REDO}")
-    return good
-
-
-def _valid_entry(v: Any) -> bool:
-    return (
-        isinstance(v, dict)
-        and isinstance(v.get("choice"), str)
-        and isinstance(v.get("seconds"), dict)
-        and all(
-            isinstance(k, str) and isinstance(t, (int, float)) and not isinstance(t, bool)
-            for k, t in v["seconds"].items()
-        )
-    )
-
-
-_REDO = ": ignored, the tuner measures again and rewrites it"
-_store_warned: set[str] = set()
-
-
-def _warn_store_once(path: Path, what: str) -> None:
-    if str(path) not in _store_warned:
-        _store_warned.add(str(path))
-        warnings.warn(
-            f"opfuse: the decision cache {path} {what}",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-
-
 def choose(
     graph: Graph,
     group: Group,
@@ -475,3 +350,140 @@ def choose(
     decision = Decision(pick(seconds, flattered), seconds)
     save_decision(key, decision)
     return decision
+
+
+def tune(
+    graph: Graph, part: Partition, module: Module, force: str | None = None
+) -> tuple[dict[int, Built], dict[int, Decision]]:
+    """Pick how each group runs: its only implementation, or the fastest measured one.
+    Candidates are made one group at a time and the losers dropped before the next group,
+    so the prepacked weights of all candidates never coexist."""
+    built: dict[int, Built] = {}
+    decisions: dict[int, Decision] = {}
+    several = [g for g in part.groups if len(module.candidates.get(g.id, {})) > 1]
+    noise = Noise()  # timing inputs for every group, from one random draw
+    with Progress(len(several), "timing implementations") as bar:
+        for g in part.groups:
+            makers = module.candidates.get(g.id, {})
+            if len(makers) <= 1:
+                only = next(iter(_made(makers, makers).values()), None)
+                if only is not None:
+                    built[g.id] = only
+                continue
+            bar.update()
+            identity = [g.pattern, *module.signatures.get(g.id, []), *_io_signature(graph, g)]
+            key = decision_key([*identity, *sorted(makers)])
+            d = Decision(force, {}) if force in makers else load_decision(key)
+            cands = _made(makers, [d.choice]) if d is not None and d.choice in makers else {}
+            timed = not cands
+            if not cands:  # nothing remembered, or the library refused the remembered one
+                cands = _made(makers, makers)
+                if not cands:
+                    continue  # every library refused: torch runs the group
+                cands = {k: _donation_checked(graph, g.nodes, b) for k, b in cands.items()}
+                d = choose(graph, g, cands, key, _sub_runtime, noise)
+            assert d is not None
+            log.debug("group %d (%s): %s", g.id, g.pattern, d.describe())
+            decisions[g.id] = d
+            chosen = cands.get(d.choice)
+            del cands  # the losers' packed weights go now, not at the end of compile
+            if chosen is not None:
+                built[g.id] = chosen
+            if timed:
+                # The heap the timing freed (inputs, outputs, losers) goes back to the OS
+                # now: glibc keeps it resident, and the next group's peak would stack on it.
+                release_freed_memory()
+    return built, decisions
+
+
+def _made(makers: dict[str, Make], names: Iterable[str]) -> dict[str, Built | None]:
+    """Make the named candidates (None: torch runs the group); one a library refuses is
+    no candidate."""
+    out: dict[str, Built | None] = {}
+    for name in names:
+        with contextlib.suppress(Unavailable):
+            out[name] = makers[name]()
+    return out
+
+
+def _io_signature(graph: Graph, g: Any) -> list[str]:
+    """Shapes, strides and dtypes of what the group reads and of the anchor call, and
+    which of its inputs die with it (an in-place candidate is timed only over those)."""
+    inside = set(g.nodes)
+    out = []
+    for n in g.nodes:
+        out.append(f"{n.op}:{n.meta}")
+        for i in n.inputs():
+            if i not in inside:
+                dies = ":dies" if _dies_with(graph, i, g.nodes) else ""
+                out.append(f"in:{i.op}:{i.meta}{dies}")
+    return out
+
+
+def _donation_checked(graph: Graph, members: list[Any], b: Built | None) -> Built | None:
+    """A library call that can write over its input keeps that variant only when the input
+    dies with the group (the plan checks the rest): then the tuner times the in-place call,
+    which is what will run. Other readers the group depends on run before it, so they do
+    not keep the input alive (ResNet's block input feeds the block's first convolution and
+    the residual add of its last)."""
+    if not isinstance(b, BuiltCall) or b.inplace is None or b.donor is None:
+        return b
+    return (
+        b if _dies_with(graph, b.inputs[b.donor], members) else replace(b, inplace=None, donor=None)
+    )
+
+
+def _dies_with(graph: Graph, d: Any, members: list[Any]) -> bool:
+    """Is the group the last reader of value d (made by the graph, not an output)?"""
+    if d.op in (INPUT, CONSTANT) or d in graph.output_set:
+        return False
+    inside = {m.name for m in members}
+    return _run_before(graph, [u for u in graph.users[d] if u.name not in inside], members)
+
+
+def _run_before(graph: Graph, readers: list[Any], members: list[Any]) -> bool:
+    """Is every one of `readers` an ancestor of a member (so it runs before the group)?"""
+    if not readers:
+        return True
+    index = graph.index
+    lo = min(index[r] for r in readers)
+    want = set(readers)
+    seen: set[Any] = set()
+    stack = [i for m in members for i in m.inputs()]
+    while stack and want:
+        x = stack.pop()
+        if x in seen or index[x] < lo:
+            continue
+        seen.add(x)
+        want.discard(x)
+        stack.extend(x.inputs())
+    return not want
+
+
+class _InPlaceTiming:
+    """Times a library call's in-place variant on the tuner's inputs, over a private copy
+    of the input it writes (the plan only uses that variant on a dead torch result)."""
+
+    def __init__(self, graph: Graph, b: BuiltCall) -> None:
+        assert b.inplace is not None and b.donor is not None
+        self.fn = b.inplace
+        index = {n.name: k for k, n in enumerate(graph.inputs)}
+        self.pos = [index[i.name] for i in b.inputs]
+        self.donor = b.donor
+        self.own: Any = None
+
+    def __call__(self, inputs: list[Any]) -> Any:
+        args = [inputs[p] for p in self.pos]
+        if self.own is None:
+            self.own = args[self.donor].clone()
+        args[self.donor] = self.own
+        return self.fn(*args)
+
+
+def _sub_runtime(graph: Graph, part: Partition, built: Any) -> Any:
+    b = built.get(0)
+    if isinstance(b, BuiltCall) and b.inplace is not None:
+        names = {n.name for n in graph.inputs}
+        if all(i.name in names for i in b.inputs):  # (not through views the subgraph kept)
+            return _InPlaceTiming(graph, b)
+    return Runtime(build_plan(graph, part, built), guards=False)

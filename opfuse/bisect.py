@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .pipeline import Options
+from .options import Options
 from .structure import flatten
 
 

@@ -17,7 +17,8 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from .capture import capture_fx
 from .decompose import decompositions, keep_whole
 from .explain import count_kernels
-from .pipeline import CompiledGraph, Options, compile_graph, warn_once
+from .options import Options
+from .pipeline import CompiledGraph, compile_graph, warn_once
 from .replay import Facts, learn, twice_differentiable
 from .report import FusionReport
 from .rewrite.fx_layout import channels_last_convolutions

@@ -72,6 +72,7 @@ class FusionReport:
     # ops whose inputs were all frozen constants: evaluated once at compile time
     constants: list[str] = field(default_factory=list)
     pools: list[str] = field(default_factory=list)  # pools computed as window reductions
+    passes: dict[str, float] = field(default_factory=dict)  # seconds per pass and stage
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -111,6 +112,10 @@ class FusionReport:
             self.backend or other.backend,
             self.constants + other.constants,
             self.pools + other.pools,
+            {
+                k: self.passes.get(k, 0.0) + other.passes.get(k, 0.0)
+                for k in {**self.passes, **other.passes}
+            },
         )
 
     def patterns(self) -> dict[str, int]:

@@ -22,6 +22,8 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "opfuse"))
 
 # A private kernel cache per test session: tests exercise compilation, not a warm cache.
 os.environ.setdefault("OPFUSE_CACHE_DIR", tempfile.mkdtemp(prefix="opfuse-test-cache-"))
+# Every rewritten graph is checked (ir/verify.py): a pass that breaks one fails where it does.
+os.environ.setdefault("OPFUSE_VERIFY", "1")
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from opfuse import autotune
+from opfuse import autotune, decisions
 
 
 class Clock:
@@ -152,9 +152,9 @@ def test_first_call_costs_do_not_decide(clock: Clock) -> None:
 
 
 def test_decisions_of_an_older_tuner_are_not_reused(monkeypatch: pytest.MonkeyPatch) -> None:
-    key = autotune.decision_key(["group", "shapes"])
-    monkeypatch.setattr(autotune, "TUNER_VERSION", autotune.TUNER_VERSION + "-next")
-    assert autotune.decision_key(["group", "shapes"]) != key
+    key = decisions.decision_key(["group", "shapes"])
+    monkeypatch.setattr(decisions, "TUNER_VERSION", decisions.TUNER_VERSION + "-next")
+    assert decisions.decision_key(["group", "shapes"]) != key
 
 
 def test_an_unfused_candidate_must_win_by_a_margin() -> None:
@@ -235,7 +235,7 @@ def test_a_damaged_decision_cache_is_ignored_with_one_warning_and_rewritten(
     fresh_cache.mkdir(parents=True)
     store = fresh_cache / "decisions.json"
     store.write_text(content)
-    autotune._store_warned.clear()
+    decisions._store_warned.clear()
     m = Fn(lambda x: torch.relu(x @ x.t() + 1) * 2).eval()  # a GEMM group: tuned
     x = torch.randn(64, 64)
     with pytest.warns(RuntimeWarning, match="decision cache .* ignored") as seen:
@@ -244,7 +244,7 @@ def test_a_damaged_decision_cache_is_ignored_with_one_warning_and_rewritten(
     assert [g.pattern for g in fast.report.groups] == ["gemm_epilogue"]  # not torch
     assert_matches_eager(m, fast(x), (x,))
     data = json.loads(store.read_text())
-    assert isinstance(data, dict) and all(autotune._valid_entry(v) for v in data.values())
+    assert isinstance(data, dict) and all(decisions._valid_entry(v) for v in data.values())
     assert len(data) >= 1
     again = opfuse.compile(m, (x,))  # the rewritten file serves the next compile, quietly
     assert "cached decision" in again.report.groups[0].implementation

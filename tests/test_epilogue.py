@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import opfuse
+from opfuse import autotune
 from tests.conftest import Fn, assert_matches_eager
 
 IMPLS = [None, "unfused", "blocked", "onednn", "onednn-nhwc"]
@@ -175,11 +176,9 @@ def test_candidates_are_made_per_group_and_only_the_chosen_one_when_remembered(
 ) -> None:
     import weakref
 
-    import opfuse.pipeline as pipeline
-
     made: list[tuple[int, Any]] = []  # (group's makers, weak reference to the candidate)
     timed: list[int] = []
-    real_made, real_choose = pipeline._made, pipeline.choose
+    real_made, real_choose = autotune._made, autotune.choose
 
     def make(makers: Any, names: Any) -> Any:
         out = real_made(makers, names)
@@ -196,8 +195,8 @@ def test_candidates_are_made_per_group_and_only_the_chosen_one_when_remembered(
         timed.append(len(cands))
         return real_choose(graph, group, cands, key, run_plan)
 
-    monkeypatch.setattr(pipeline, "_made", make)
-    monkeypatch.setattr(pipeline, "choose", choose)
+    monkeypatch.setattr(autotune, "_made", make)
+    monkeypatch.setattr(autotune, "choose", choose)
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64), nn.ReLU()).eval()
     x = torch.randn(32, 64)
@@ -454,17 +453,16 @@ class _Block(nn.Module):
 def test_the_tuner_times_the_in_place_call_the_plan_will_run(
     read_later: bool, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from opfuse import pipeline
 
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))  # nothing remembered: it times
     timed: list[str] = []
-    real = pipeline._InPlaceTiming.__init__
+    real = autotune._InPlaceTiming.__init__
 
     def spy(self: Any, graph: Any, b: Any) -> None:
         timed.append(b.output.name)
         real(self, graph, b)
 
-    monkeypatch.setattr(pipeline._InPlaceTiming, "__init__", spy)
+    monkeypatch.setattr(autotune._InPlaceTiming, "__init__", spy)
     torch.manual_seed(0)
     m = _Block(read_later).eval()
     x = torch.randn(2, 3, 12, 12)
@@ -582,12 +580,11 @@ def test_the_tuner_times_a_blocked_gemm_behind_a_view_once(
     # Linear on a 3-D input: view -> addmm -> view -> gelu. The GEMM's only outside reader
     # is the view the epilogue reads through; the tuner's subgraph made it an output, so
     # torch computed the GEMM again after the blocked kernel and blocked timed 2x its cost.
-    from opfuse import pipeline
     from opfuse.runtime import TorchStep
 
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
     plans: list[list[str]] = []
-    real = pipeline._sub_runtime
+    real = autotune._sub_runtime
 
     def spy(graph: Any, part: Any, built: Any) -> Any:
         rt = real(graph, part, built)
@@ -595,7 +592,7 @@ def test_the_tuner_times_a_blocked_gemm_behind_a_view_once(
         plans.append([s.name for s in steps if isinstance(s, TorchStep)])
         return rt
 
-    monkeypatch.setattr(pipeline, "_sub_runtime", spy)
+    monkeypatch.setattr(autotune, "_sub_runtime", spy)
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(32, 64), nn.GELU()).eval()
     x = torch.randn(2, 24, 32)

@@ -8,7 +8,9 @@ import torch.nn as nn
 
 import opfuse
 from opfuse.capture import capture_module
-from opfuse.pipeline import Options, rewrite
+from opfuse.context import Context
+from opfuse.options import Options
+from opfuse.pipeline import rewrite
 from opfuse.rewrite.layout import is_channels_last
 from tests.conftest import assert_matches_eager
 
@@ -42,8 +44,8 @@ def test_conv_graph_runs_channels_last_and_returns_eager_layout() -> None:
     for a, b in zip(got, ref):
         assert a.stride() == b.stride()  # the feature map comes back NCHW
     graph = capture_module(m, (x,), {}).graph
-    rw = rewrite(graph, Options())
-    new, note = rw.graph, rw.layout
+    ctx = Context(Options())
+    new, note = rewrite(graph, ctx), ctx.layout
     convs = [n for n in new.nodes if n.op == "aten.convolution.default"]
     assert convs and all(is_channels_last(c.tensor) for c in convs)
     assert "channels-last" in note

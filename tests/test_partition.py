@@ -12,11 +12,13 @@ from hypothesis import strategies as st
 
 import opfuse
 from opfuse.capture import capture_module
+from opfuse.context import Context
 from opfuse.fusion.classify import classify
 from opfuse.fusion.groups import check_partition
 from opfuse.fusion.partition import partition
 from opfuse.lower.lowering import why_not_lowered
-from opfuse.pipeline import Options, rewrite
+from opfuse.options import Options
+from opfuse.pipeline import rewrite
 from tests.conftest import Fn, assert_matches_eager
 
 
@@ -34,7 +36,7 @@ class Exchange(torch.nn.Module):
 
 
 def _partition(model: torch.nn.Module, args: tuple[Any, ...]) -> Any:
-    graph = rewrite(capture_module(model, args).graph, Options()).graph
+    graph = rewrite(capture_module(model, args).graph, Context(Options()))
     part = partition(graph, classify(graph), why_not_lowered)
     check_partition(graph, part)
     return graph, part

@@ -12,13 +12,15 @@ import torch.nn.functional as F
 
 import opfuse.backends.c.build as c_build
 from opfuse.capture import capture_module
+from opfuse.context import Context
 from opfuse.fusion.classify import classify
 from opfuse.fusion.groups import Partition, Pattern, check_partition
 from opfuse.fusion.partition import partition
 from opfuse.fusion.rules import MAX_GROUP_NODES, Lowerable
 from opfuse.ir.graph import Graph, Node
 from opfuse.lower.lowering import why_not_lowered
-from opfuse.pipeline import Options, rewrite
+from opfuse.options import Options
+from opfuse.pipeline import rewrite
 from tests.conftest import Fn
 
 
@@ -37,7 +39,7 @@ def _decide(
     lowerable: Lowerable = why_not_lowered,
 ) -> tuple[Graph, Partition]:
     model = fn if isinstance(fn, torch.nn.Module) else Fn(fn)
-    graph = rewrite(capture_module(model.eval(), args).graph, Options()).graph
+    graph = rewrite(capture_module(model.eval(), args).graph, Context(Options()))
     part = partition(graph, classify(graph), lowerable)
     check_partition(graph, part)
     return graph, part

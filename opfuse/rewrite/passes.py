@@ -1,0 +1,89 @@
+"""The rewrites in the order they run, each `pass(graph, ctx) -> Graph` recording what it
+did in ctx (context.py). Each wraps one rewrite module; the order matters where a comment
+says why."""
+
+from __future__ import annotations
+
+from ..context import Context
+from ..ir.graph import Graph
+from . import attention, batchnorm, cleanup, layout, pooling, random
+
+
+def fold_batchnorm(graph: Graph, ctx: Context) -> Graph:
+    """Inference BatchNorm into the convolution or linear before it (never in training)."""
+    if not ctx.options.fold_batchnorm:
+        return graph
+    graph, folds, refusals = batchnorm.fold_batchnorm(graph)
+    ctx.folds += folds
+    ctx.refusals += refusals
+    return graph
+
+
+def split_to_views(graph: Graph, ctx: Context) -> Graph:
+    return cleanup.split_to_views(graph)
+
+
+def fold_constants(graph: Graph, ctx: Context) -> Graph:
+    """Ops on frozen constants alone, evaluated once now."""
+    found: list[str] = []
+    graph = cleanup.fold_constants(graph, found)
+    for text in found:
+        ctx.note("fold_constants", text)
+    return graph
+
+
+def lower_batchnorm(graph: Graph, ctx: Context) -> Graph:
+    """The BatchNorms left, as their statistics and pointwise ops."""
+    return batchnorm.lower_batchnorm(graph)
+
+
+def fuse_attention(graph: Graph, ctx: Context) -> Graph:
+    if not ctx.options.fuse_attention:
+        return graph
+    graph, notes = attention.fuse_attention(graph)
+    for text in notes:
+        ctx.note("fuse_attention", text)
+    return graph
+
+
+def channels_last(graph: Graph, ctx: Context) -> Graph:
+    if ctx.options.layout != "channels-last":
+        return graph
+    relaid = layout.channels_last(graph)
+    ctx.layout = relaid.note
+    return relaid.graph
+
+
+def pools_in_kernels(graph: Graph, ctx: Context) -> Graph:
+    # after the layout pass: a pool over channels-last input reduces with lanes along C
+    graph, notes = pooling.pools_in_kernels(graph, ctx.devices)
+    for text in notes:
+        ctx.note("pools_in_kernels", text)
+    return graph
+
+
+def random_in_kernels(graph: Graph, ctx: Context) -> Graph:
+    if ctx.options.random != "kernel":
+        return graph
+    graph, notes = random.random_in_kernels(graph, ctx.devices)
+    for text in notes:
+        ctx.note("random_in_kernels", text)
+    return graph
+
+
+def copies_in_kernels(graph: Graph, ctx: Context) -> Graph:
+    return cleanup.copies_in_kernels(graph)
+
+
+REWRITES = (
+    fold_batchnorm,
+    split_to_views,
+    fold_constants,
+    lower_batchnorm,
+    fold_constants,  # again: lowering BatchNorm leaves ops on its frozen statistics
+    fuse_attention,
+    channels_last,
+    pools_in_kernels,
+    random_in_kernels,
+    copies_in_kernels,
+)
