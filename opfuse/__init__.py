@@ -6,10 +6,10 @@ torch.compile(model, backend="opfuse")            # inference and training
 """
 
 from .api import CompiledModule, RecompileError, compile, explain
-from .fold import fold_batchnorm
-from .heap import keep_freed_memory
+from .frontend.fold import fold_batchnorm
 from .options import Options
-from .report import FusionReport
+from .report.tables import FusionReport
+from .runtime.heap import keep_freed_memory
 
 __version__ = "0.1.0"
 

@@ -13,13 +13,13 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from . import structure
-from .capture import Captured, CaptureError, capture_module
-from .explain import count_kernels
+from .frontend import structure
+from .frontend.capture import Captured, CaptureError, capture_module
+from .frontend.watch import ParameterWatch
 from .options import Options
 from .pipeline import CompiledGraph, compile_graph, warn_once
-from .report import FusionReport, RejectReport
-from .watch import ParameterWatch
+from .report.make import count_kernels
+from .report.tables import FusionReport, RejectReport
 
 
 class RecompileError(RuntimeError):
@@ -305,7 +305,7 @@ class CompiledModule(torch.nn.Module):
         semantics need autograd, which the frozen graph does not record) and for signatures
         whose compile failed."""
         if self._dynamo is None:
-            from .dynamo import opfuse_backend
+            from .frontend.dynamo import opfuse_backend
 
             self._dynamo = torch.compile(self.__dict__["_model"], backend=opfuse_backend)
         return self._dynamo(*args, **kwargs)
@@ -334,7 +334,7 @@ def compile(
         raise ValueError(f"opfuse: cache_limit must be at least 1, got {cache_limit}")
     opts = options or Options()
     if model.training:
-        from .dynamo import opfuse_backend
+        from .frontend.dynamo import opfuse_backend
 
         return torch.compile(model, backend=opfuse_backend)  # type: ignore[return-value]
     args = _as_args(example_inputs)
@@ -343,7 +343,7 @@ def compile(
         return CompiledModule(model, args, kwargs, opts, recompile, cache_limit)
     except CaptureError as e:
         warn_once(f"opfuse: {e}; compiling through torch.compile instead")
-    from .dynamo import opfuse_backend
+    from .frontend.dynamo import opfuse_backend
 
     return torch.compile(model, backend=opfuse_backend)  # type: ignore[return-value]
 
@@ -377,7 +377,7 @@ def explain(
             warn_once(f"opfuse: {e}; explaining the torch.compile path instead")
         except Exception as e:  # explain what the fallback compile() takes runs
             warn_once(_fallback_message(e))
-    from .dynamo import collect_reports
+    from .frontend.dynamo import collect_reports
 
     # Training mode runs the model once; a copy keeps the caller's running stats intact.
     report = collect_reports(copy.deepcopy(model), args, kwargs)

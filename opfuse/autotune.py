@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from .backends.c.module import Make, Module, Unavailable
+from .backends.base import Make, Module, Unavailable
 from .decisions import (
     FUSED_MARGIN,
     MATERIALISING,
@@ -31,13 +31,13 @@ from .decisions import (
     save_decision,
 )
 from .fusion.groups import Group, Partition
-from .heap import release_freed_memory
 from .ir.graph import CONSTANT, INPUT, Graph, GraphBuilder, Node, TensorMeta
 from .ir.ops import Kind, info
 from .lower.lowering import used_outside
-from .plan import Built, BuiltCall, build_plan
-from .progress import Progress
-from .runtime import Runtime
+from .runtime.execute import Runtime
+from .runtime.heap import release_freed_memory
+from .runtime.plan import Built, BuiltCall, build_plan
+from .tools.progress import Progress
 
 log = logging.getLogger("opfuse.autotune")
 

@@ -80,7 +80,7 @@ def _cpu() -> str:
 
 def _store() -> Path | None:
     try:
-        from .backends.c.build import cache_dir
+        from .backends.base import cache_dir
 
         return cache_dir() / "decisions.json"
     except Exception:

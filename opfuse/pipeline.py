@@ -1,6 +1,6 @@
 """The compiler on one screen.
 
-graph   = capture(model)                capture.py       torch.export / AOTAutograd
+graph   = capture(model)                frontend/        torch.export / AOTAutograd
 graph   = pass(graph, ctx), for each    rewrite/passes   fold BatchNorm, constants; attention;
           of REWRITES                                    layout; pools as window reductions
 kinds   = classify(graph)               fusion/classify  ordered op kinds
@@ -9,8 +9,9 @@ kernels = lower(groups)                 lower/           loop nest + scalar expr
 source  = render(kernels)               backends/c       C with OpenMP (strings only)
 library = build(source)                 backends/c       compile, cache, load
 built   = tune(groups, library)         autotune.py      measure where there is a choice
-plan    = plan(groups, built)           plan.py          steps, slots, memory pool
-run(plan, inputs)                       runtime.py
+plan    = plan(groups, built)           runtime/plan     steps, slots, memory pool
+run(plan, inputs)                       runtime/execute
+report  = make_report(...)              report/          what fused, what did not, and why
 
 Each step records its time (and the rewrites their notes) in a Context (context.py) that
 the report reads; OPFUSE_DEBUG_DIR writes the graph after every rewrite.
@@ -28,19 +29,19 @@ from .autotune import tune
 from .backends.c.module import build_module
 from .backends.triton.build import build_module as build_triton
 from .context import Context
-from .explain import make_report
 from .fusion.classify import classify
 from .fusion.groups import check_partition
 from .fusion.partition import Fuel, partition
-from .heap import release_freed_memory
 from .ir.graph import Graph
 from .lower.groups import lower_groups
 from .lower.lowering import why_not_lowered
 from .options import Options
-from .plan import build_plan, copied
-from .report import FoldReport, FusionReport, RejectReport
+from .report.make import make_report
+from .report.tables import FoldReport, FusionReport, RejectReport
 from .rewrite.passes import REWRITES
-from .runtime import Runtime
+from .runtime.execute import Runtime
+from .runtime.heap import release_freed_memory
+from .runtime.plan import build_plan, copied
 
 log = logging.getLogger("opfuse")
 

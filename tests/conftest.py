@@ -30,7 +30,7 @@ warnings.filterwarnings("ignore", category=FutureWarning)
 def _leaves(x: Any) -> list[Any]:
     import torch.utils._pytree as pytree
 
-    from opfuse import structure
+    from opfuse.frontend import structure
 
     leaves, _ = structure.flatten(x)
     return leaves if leaves else pytree.tree_leaves(x)

@@ -162,7 +162,7 @@ def test_new_signatures_beyond_the_cache_limit_run_with_torch() -> None:
 def test_torch_compile_backend_compiles_each_graph_for_a_bounded_number_of_shapes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from opfuse import dynamo
+    from opfuse.frontend import dynamo
 
     compiles: list[int] = []
     real = dynamo._GraphRunner._compile
@@ -342,7 +342,7 @@ def test_misspelt_environment_variables_are_errors_listing_the_valid_values(
     m = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()
     with pytest.raises(ValueError, match=f"{name}.*{valid}.*|{name} must be a {valid}"):
         if name == "OPFUSE_NO_PROGRESS":
-            from opfuse.progress import Progress
+            from opfuse.tools.progress import Progress
 
             Progress(2, "x")
         else:
@@ -456,7 +456,7 @@ class _Block(nn.Module):
 
 def _capture_both_ways(monkeypatch: pytest.MonkeyPatch, m: nn.Module, args: Any) -> Any:
     """(fast capture, run_decompositions capture, run_decompositions calls in the first)."""
-    from opfuse import capture
+    from opfuse.frontend import capture
 
     calls = []
     real = torch.export.ExportedProgram.run_decompositions
@@ -595,3 +595,19 @@ def test_deepcopy_of_a_compiled_module_is_independent() -> None:
     torch.testing.assert_close(twin(x), fast(x))  # both at their second call
     torch.testing.assert_close(fast(x), first * 3)
     torch.testing.assert_close(twin(x), first * 3)
+
+
+def test_public_names_and_entry_points_resolve() -> None:
+    """The package layout may move modules; what users import and what pip installs may not."""
+    from importlib.metadata import entry_points
+
+    from opfuse.report import FusionReport
+
+    assert opfuse.FusionReport is FusionReport
+    for name in opfuse.__all__:
+        assert getattr(opfuse, name) is not None
+    assert callable(opfuse.explain) and callable(opfuse.compile)
+    scripts = {e.name: e for e in entry_points(group="console_scripts") if e.name == "opfuse"}
+    backends = {e.name: e for e in entry_points(group="torch_dynamo_backends")}
+    assert callable(scripts["opfuse"].load())
+    assert callable(backends["opfuse"].load())

@@ -1,4 +1,4 @@
-"""Capture's op-by-op decomposition (opfuse/decompose.py) against make_fx's whole-graph
+"""Capture's op-by-op decomposition (opfuse/frontend/decompose.py) against make_fx's whole-graph
 retrace: the same ops, the same results, and one trace per distinct op and layout."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import opfuse
-from opfuse import capture, decompose
 from opfuse.bench.models import build
+from opfuse.frontend import capture, decompose
 from tests.conftest import assert_matches_eager
 
 

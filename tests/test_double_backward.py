@@ -1,4 +1,4 @@
-"""Gradients of gradients through torch.compile(backend="opfuse") (opfuse/replay.py): a
+"""Gradients of gradients through torch.compile(backend="opfuse") (opfuse/frontend/replay.py): a
 gradient penalty and the second derivative of a physics-informed loss match eager; graphs
 whose eager replay would not be exact keep AOTAutograd's error."""
 

@@ -400,7 +400,7 @@ class _TwoBranches(nn.Module):
 
 
 def _donating(fast: Any) -> list[Any]:
-    from opfuse.runtime import TorchStep
+    from opfuse.runtime.execute import TorchStep
 
     steps = fast._first.compiled.run.plan.steps
     return [s for s in steps if isinstance(s, TorchStep) and s.donate is not None]
@@ -548,7 +548,7 @@ def test_gemm_tiles_fit_in_cache_keep_rows_tall_and_come_in_whole_rounds(
 def test_blocked_gemm_scratch_holds_a_tile_per_thread_not_the_whole_result() -> None:
     # Each thread computes its tiles in its own slot: the scratch needs threads x tile,
     # not the [m, n] result (BERT-base's MLP at batch 8 kept 12.6 MB for it).
-    from opfuse.runtime import KernelStep, Scratch
+    from opfuse.runtime.execute import KernelStep, Scratch
 
     torch.manual_seed(0)
     lin = nn.Linear(64, 2048)
@@ -580,7 +580,7 @@ def test_the_tuner_times_a_blocked_gemm_behind_a_view_once(
     # Linear on a 3-D input: view -> addmm -> view -> gelu. The GEMM's only outside reader
     # is the view the epilogue reads through; the tuner's subgraph made it an output, so
     # torch computed the GEMM again after the blocked kernel and blocked timed 2x its cost.
-    from opfuse.runtime import TorchStep
+    from opfuse.runtime.execute import TorchStep
 
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(tmp_path))
     plans: list[list[str]] = []

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 import opfuse
 from opfuse.bench.models import Bottleneck, GPT2Block, realistic
-from opfuse.report import short_name
+from opfuse.report.tables import short_name
 from tests.conftest import Fn
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,8 +106,8 @@ def test_fuel_changes_the_kernel_count(monkeypatch) -> None:  # type: ignore[no-
 
 
 def test_bisect_names_a_deliberately_broken_fusion(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from opfuse.bisect import bisect
     from opfuse.lower import lowering
+    from opfuse.tools.bisect import bisect
 
     original = lowering._Lowering._pointwise
 
@@ -135,7 +135,7 @@ def test_fusion_log(caplog) -> None:  # type: ignore[no-untyped-def]
 
 
 def test_progress_bar_draws_on_a_terminal(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from opfuse.progress import Progress
+    from opfuse.tools.progress import Progress
 
     class Tty(io.StringIO):
         def isatty(self) -> bool:
@@ -279,7 +279,7 @@ def test_html_report_in_headless_chromium(tmp_path) -> None:  # type: ignore[no-
 
 
 def test_builtin_layout_without_graphviz(monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from opfuse import picture
+    from opfuse.report import picture
 
     r = opfuse.explain(
         Fn(lambda x, w: F.gelu(x @ w) + 1).eval(), (torch.randn(4, 8), torch.randn(8, 8))
@@ -291,7 +291,7 @@ def test_builtin_layout_without_graphviz(monkeypatch) -> None:  # type: ignore[n
 
 
 def test_picture_has_a_legend_and_names_modules() -> None:
-    from opfuse import picture
+    from opfuse.report import picture
 
     m = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 4)).eval()
     r = opfuse.explain(m, (torch.randn(4, 8),))
@@ -346,7 +346,7 @@ def test_cli_imports_from_the_current_directory_and_the_targets_folder(tmp_path)
 
 
 def test_routine_refusals_are_one_counted_line_and_bytes_have_units() -> None:
-    from opfuse.report import FusionReport, RejectReport, format_table, human_bytes
+    from opfuse.report.tables import FusionReport, RejectReport, format_table, human_bytes
 
     feeds = [RejectReport(f"relu_{i}", f"conv{i}", "value feeds a convolution") for i in range(5)]
     r = FusionReport(rejected=[*feeds, RejectReport("a", "b", "a rare reason")])

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import opfuse
-from opfuse.capture import capture_module
 from opfuse.context import Context
+from opfuse.frontend.capture import capture_module
 from opfuse.ir.graph import Graph, Node
 from opfuse.ir.printer import format_graph
 from opfuse.ir.verify import InvalidGraph, verify

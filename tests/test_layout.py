@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 
 import opfuse
-from opfuse.capture import capture_module
 from opfuse.context import Context
+from opfuse.frontend.capture import capture_module
 from opfuse.options import Options
 from opfuse.pipeline import rewrite
 from opfuse.rewrite.layout import is_channels_last

@@ -493,7 +493,7 @@ def test_slice_scatter_matches_eager(dim: int, start, end, step: int) -> None:  
 
 def test_the_gradient_of_a_slice_fuses_into_the_backward_kernel() -> None:
     # slice_backward is zeros + slice_scatter: read through, no torch copy in the backward
-    from opfuse.dynamo import collect_reports
+    from opfuse.frontend.dynamo import collect_reports
 
     torch.manual_seed(0)
     lin = torch.nn.Linear(16, 32)
@@ -577,7 +577,7 @@ SPLITS = {
 @pytest.mark.parametrize("how", sorted(SPLITS))
 @pytest.mark.parametrize("path", ["export", "dynamo"])
 def test_split_with_sizes_pieces_are_read_through_like_split(how: str, path: str) -> None:
-    from opfuse.dynamo import collect_reports
+    from opfuse.frontend.dynamo import collect_reports
 
     def fn(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         a, b = SPLITS[how](x)

@@ -1,6 +1,6 @@
 """NaN and inf flow through every epilogue implementation as they do in eager. oneDNN
 computes relu, clamp and hardsigmoid post-ops with max/min, which turn NaN into a bound:
-those run fused only behind a finiteness guard (opfuse/finite.py)."""
+those run fused only behind a finiteness guard (opfuse/runtime/finite.py)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import opfuse
-from opfuse.finite import FiniteGuard, max_abs
+from opfuse.runtime.finite import FiniteGuard, max_abs
 from tests.conftest import assert_matches_eager
 
 ACTIVATIONS = {
@@ -186,7 +186,7 @@ def test_a_chain_of_guarded_convolutions_measures_its_input_once(monkeypatch: An
         measured.append(tuple(t.shape))
         return max_abs(t)
 
-    monkeypatch.setattr("opfuse.finite.max_abs", counting)
+    monkeypatch.setattr("opfuse.runtime.finite.max_abs", counting)
     assert_matches_eager(m, fast(x), (x,))
     assert measured == [(1, 8, 8, 8)]  # the graph input; then bounds travel with the values
     assert sum(g.exact_calls for g in gs) == 0
@@ -259,7 +259,7 @@ def test_the_tuner_times_guarded_calls_without_measuring(
         measured.append(1)
         return max_abs(t)
 
-    monkeypatch.setattr("opfuse.finite.max_abs", counting)
+    monkeypatch.setattr("opfuse.runtime.finite.max_abs", counting)
     torch.manual_seed(0)
     m = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU()).eval()
     x = torch.randn(1, 8, 16, 16)

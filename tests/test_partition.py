@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import opfuse
-from opfuse.capture import capture_module
 from opfuse.context import Context
+from opfuse.frontend.capture import capture_module
 from opfuse.fusion.classify import classify
 from opfuse.fusion.groups import check_partition
 from opfuse.fusion.partition import partition

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import opfuse
-from opfuse.dynamo import collect_reports
+from opfuse.frontend.dynamo import collect_reports
 from tests.conftest import Fn, assert_matches_eager
 
 CASES: dict[str, tuple[Any, tuple[int, ...]]] = {

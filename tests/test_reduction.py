@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import opfuse
-from opfuse.dynamo import collect_reports
+from opfuse.frontend.dynamo import collect_reports
 from tests.conftest import Fn, assert_matches_eager, assert_no_worse
 
 
@@ -314,7 +314,7 @@ def test_welford_rows_with_a_short_contiguous_loop_fold_it(
     # here to keep such rows.)
     from torch._decomp import get_decompositions
 
-    from opfuse.decompose import decompositions
+    from opfuse.frontend.decompose import decompositions
 
     op = torch.ops.aten.native_group_norm
     for listed in (True, False):  # (capture's retrace takes the unlisted one)

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 import opfuse.backends.c.build as c_build
-from opfuse.capture import capture_module
 from opfuse.context import Context
+from opfuse.frontend.capture import capture_module
 from opfuse.fusion.classify import classify
 from opfuse.fusion.groups import Partition, Pattern, check_partition
 from opfuse.fusion.partition import partition

@@ -16,6 +16,7 @@ import torch
 
 import opfuse
 from opfuse import pipeline
+from opfuse.backends import base
 from opfuse.backends.c import build
 from tests.conftest import Fn, assert_matches_eager
 
@@ -122,8 +123,8 @@ def test_concurrent_builds_of_the_same_kernels(tmp_path) -> None:  # type: ignor
 def test_cache_directory_writable_by_others_is_refused(fresh_cache) -> None:  # type: ignore[no-untyped-def]
     fresh_cache.mkdir(parents=True)
     fresh_cache.chmod(0o777)
-    with pytest.raises(build.UnsafeCacheError):
-        build.cache_dir()
+    with pytest.raises(base.UnsafeCacheError):
+        base.cache_dir()
     m, args = model(), inputs()
     with pytest.warns(RuntimeWarning, match="other users"):
         fast = opfuse.compile(m, args)
@@ -144,7 +145,7 @@ def test_cached_library_writable_by_others_is_refused(fresh_cache) -> None:  # t
 
 
 def test_cache_directory_is_private(fresh_cache) -> None:  # type: ignore[no-untyped-def]
-    d = build.cache_dir()
+    d = base.cache_dir()
     assert stat.S_IMODE(d.stat().st_mode) == 0o700
 
 
@@ -319,7 +320,7 @@ def test_debug_dir_gets_source_and_table(tmp_path, monkeypatch) -> None:  # type
 
 def _dead_reads(plan) -> list[str]:  # type: ignore[no-untyped-def]
     """Slots a step reads after an earlier step declared them dead."""
-    from opfuse.runtime import In, KernelStep, Slot, TorchStep
+    from opfuse.runtime.execute import In, KernelStep, Slot, TorchStep
 
     dead: set[int] = set()
     bad = []
@@ -377,7 +378,7 @@ def test_training_plans_never_read_dead_slots() -> None:
     m = torch.nn.Sequential(
         torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4)
     )
-    from opfuse import runtime as rt
+    from opfuse.runtime import execute as rt
 
     before = set(rt._LIVE)
     x = torch.randn(5, 8, requires_grad=True)
@@ -578,7 +579,7 @@ def test_an_unusable_cache_directory_warns_about_the_cache_and_still_builds(
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(blocker / "cache"))  # cannot be created
-    build._scratch_cache.cache_clear()
+    base._scratch_cache.cache_clear()
     m, args = model(), inputs()
     with pytest.warns(RuntimeWarning, match="kernel cache .* cannot be used") as seen:
         fast = opfuse.compile(m, args)

@@ -101,7 +101,7 @@ def test_embedding_backward_accumulates_into_its_zeros_in_place() -> None:
     # AOTAutograd's embedding backward is zeros + a functional index_put, which copies the
     # zeros (the whole vocabulary's gradient). The zeros die there: index_put_ writes into
     # them. Repeated token ids check that the accumulation is kept.
-    from opfuse import runtime
+    from opfuse.runtime import execute as runtime
 
     torch.manual_seed(0)
     m1 = nn.Sequential(nn.Embedding(500, 32), nn.Linear(32, 32))
@@ -199,7 +199,7 @@ DDP_WORKER = textwrap.dedent(
     rank, world = int(sys.argv[1]), int(sys.argv[2])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    from opfuse import dynamo
+    from opfuse.frontend import dynamo
     compiles = []
     real = dynamo._GraphRunner._compile
     dynamo._GraphRunner._compile = lambda self, a: compiles.append(1) or real(self, a)
@@ -321,7 +321,7 @@ def test_conv_training_runs_channels_last_and_matches_eager(case: str) -> None:
 
     torch._dynamo.reset()
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("opfuse.dynamo.channels_last_convolutions", spy)
+        mp.setattr("opfuse.frontend.dynamo.channels_last_convolutions", spy)
         fast = torch.compile(m1, backend="opfuse")
         g = torch.Generator().manual_seed(3)
         for _ in range(2):

@@ -18,9 +18,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import opfuse
-from opfuse.dynamo import collect_reports
+from opfuse.frontend.dynamo import collect_reports
 from opfuse.pipeline import Options
-from opfuse.runtime import KernelStep
+from opfuse.runtime.execute import KernelStep
 
 pytest.importorskip("triton")
 DEVICE = os.environ.get("OPFUSE_TEST_DEVICE", "cpu")

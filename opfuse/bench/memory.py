@@ -87,7 +87,7 @@ def child(case: str, candidate: str) -> dict[str, float]:
     import time
 
     import opfuse
-    from opfuse.runtime import persistent_bytes
+    from opfuse.runtime.execute import persistent_bytes
 
     torch.set_float32_matmul_precision(os.environ.get(PRECISION_ENV, "highest"))
     start = _status()["VmRSS"]

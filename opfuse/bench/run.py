@@ -83,7 +83,7 @@ def machine(device: str = "cpu") -> str:
 
 def _mismatch(got: Any, expected: Any, model: Any, inputs: tuple[Any, ...]) -> str:
     """Empty if opfuse matches eager by the oracle rule (float64 tiebreak)."""
-    from ..structure import flatten
+    from ..frontend.structure import flatten
 
     a, _ = flatten(got)
     b, _ = flatten(expected)
@@ -492,7 +492,7 @@ def main(
     keep_heap: bool = False,
 ) -> int:
     if keep_heap:
-        from ..heap import MMAP_THRESHOLD, TRIM_THRESHOLD, keep_freed_memory
+        from ..runtime.heap import MMAP_THRESHOLD, TRIM_THRESHOLD, keep_freed_memory
 
         keep_freed_memory()
         # the memory rows' children too

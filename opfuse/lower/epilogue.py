@@ -298,7 +298,7 @@ BINARY = {
 }
 COMMUTATIVE = frozenset({"aten.add.Tensor", "aten.mul.Tensor"})
 # Post-ops oneDNN computes with max/min, which turn NaN into a bound (relu(NaN) = 0 where
-# eager gives NaN): they run fused only behind a finiteness guard (finite.py). Measured on
+# eager gives NaN): they run fused only behind a finiteness guard (runtime/finite.py). Measured on
 # every UNARY attribute with NaN and +-inf inputs; the others keep NaN and inf as eager.
 ERASES_NAN = frozenset({"relu", "hardtanh", "hardsigmoid"})
 # Binary ops whose result a bound on both operands bounds (the guard needs one).

@@ -10,7 +10,6 @@ rename it into place, so two processes compiling the same kernels at once both s
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
 import functools
@@ -19,24 +18,15 @@ import os
 import platform
 import shutil
 import signal
-import stat
 import subprocess
 import tempfile
 import threading
-import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..base import BuildError, cache_dir, check_private
 from .prelude import MVEC_235, MVEC_BASE, build_prelude
-
-
-class BuildError(RuntimeError):
-    """The C compiler is missing or rejected the generated source."""
-
-
-class UnsafeCacheError(BuildError):
-    """The cache directory or a cached file can be written by another user."""
 
 
 class Rejected(BuildError):
@@ -185,50 +175,6 @@ def toolchain() -> Toolchain:
         raise
 
 
-def cache_dir() -> Path:
-    """The kernel cache. One that cannot be created or written (a read-only home) is
-    replaced, for this process, by a private temporary directory, with a warning: the
-    kernels still build, they are only not kept."""
-    root = os.environ.get("OPFUSE_CACHE_DIR")
-    if root:
-        d = Path(root)
-    else:
-        xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        d = Path(xdg) / "opfuse"
-    try:
-        d.mkdir(mode=0o700, parents=True, exist_ok=True)
-        writable = os.access(d, os.W_OK | os.X_OK)
-    except OSError as e:
-        writable, why = False, str(e)
-    else:
-        why = "not writable"
-    if writable:
-        _check_private(d)
-        return d
-    return _scratch_cache(str(d), why)
-
-
-@functools.cache
-def _scratch_cache(wanted: str, why: str) -> Path:
-    warnings.warn(
-        f"opfuse: the kernel cache {wanted} cannot be used ({why}); kernels are built in a "
-        "temporary directory and not kept. Set OPFUSE_CACHE_DIR to a writable directory",
-        RuntimeWarning,
-        stacklevel=2,
-    )
-    d = Path(tempfile.mkdtemp(prefix="opfuse-cache-"))  # created 0700
-    atexit.register(shutil.rmtree, d, ignore_errors=True)
-    return d
-
-
-def _check_private(p: Path) -> None:
-    st = p.stat()
-    if hasattr(os, "getuid") and st.st_uid != os.getuid():
-        raise UnsafeCacheError(f"{p} belongs to another user")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise UnsafeCacheError(f"{p} can be written by other users")
-
-
 def _digest(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -319,8 +265,8 @@ def _compiles(tc: Toolchain, header: str, piece: str) -> bool:
 def _load_cached(so: Path, sig: Path) -> Library | None:
     if not so.exists() or not sig.exists():
         return None
-    _check_private(so)
-    _check_private(sig)
+    check_private(so)
+    check_private(sig)
     if sig.read_text().strip() != _digest(so):
         return None  # truncated or corrupt: rebuild
     try:

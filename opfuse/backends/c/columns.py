@@ -13,7 +13,7 @@ from ...ir.scalar import Expr
 from ...lower.kernel import Accumulate, Kernel
 from ...lower.schedule import COLUMN_LANES
 from .emit import VALUE, Emitter, emit_stores, for_loop
-from .reductions import _declare_lanes, _lane_fields, _lane_loop, _merge_step, _thread_slices
+from .reductions import declare_lanes, lane_fields, lane_loop, merge_step, thread_slices
 
 
 def columns(k: Kernel, lines: list[str], split: bool = False) -> None:
@@ -44,13 +44,13 @@ def columns(k: Kernel, lines: list[str], split: bool = False) -> None:
     lane = [(vec.name, f"{vec.name}_blk * {COLUMN_LANES} + l")]
     em = Emitter([{}], [0])
     for p in k.passes:
-        _declare_lanes(p.accumulates, lines, indent, COLUMN_LANES, "nl")
+        declare_lanes(p.accumulates, lines, indent, COLUMN_LANES, "nl")
         ind = indent
         for i, v in enumerate(k.inner):
             lo, hi = ("lo", "hi") if split and i == 0 else ("0", str(v.extent))
             lines.append(f"{ind}for (int64_t {v.name} = {lo}; {v.name} < {hi}; {v.name}++) {{")
             ind += "  "
-        _lane_loop(em, p, lines, ind, "nl", lane, COLUMN_LANES)
+        lane_loop(em, p, lines, ind, "nl", lane, COLUMN_LANES)
         for _ in k.inner:
             ind = ind[:-2]
             lines.append(f"{ind}}}")
@@ -90,12 +90,12 @@ def _open_split_region(k: Kernel, lines: list[str], ext: int, width: int) -> Non
     this thread's [lo, hi) of the first reduced variable."""
     for p in k.passes:
         for a in p.accumulates:
-            for suffix, t, _ in _lane_fields(a):
+            for suffix, t, _ in lane_fields(a):
                 lines.append(f"  {t} {a.name}_P{suffix}[(nthreads > 0 ? nthreads : 1) * {width}];")
             if a.row.family is Family.WELFORD:
                 t = VALUE[a.acc_dtype]
                 lines.append(f"  {t} {a.name}_Pcnt[nthreads > 0 ? nthreads : 1];")
-    _thread_slices(lines, ext, 1)
+    thread_slices(lines, ext, 1)
 
 
 def _merge_column_lanes(accs: Sequence[Accumulate], lines: list[str], ind: str) -> None:
@@ -104,7 +104,7 @@ def _merge_column_lanes(accs: Sequence[Accumulate], lines: list[str], ind: str) 
     w = COLUMN_LANES
     for a in accs:
         copy = " ".join(
-            f"{a.name}_P{s}[tid * {w} + l] = {a.name}_L{s}[l];" for s, _, _ in _lane_fields(a)
+            f"{a.name}_P{s}[tid * {w} + l] = {a.name}_L{s}[l];" for s, _, _ in lane_fields(a)
         )
         lines.append(f"{ind}for (int l = 0; l < nl; l++) {{ {copy} }}")
         if a.row.family is Family.WELFORD:
@@ -112,13 +112,13 @@ def _merge_column_lanes(accs: Sequence[Accumulate], lines: list[str], ind: str) 
     lines.append(f"{ind}#pragma omp barrier")
     for a in accs:
         t = VALUE[a.acc_dtype]
-        reset = " ".join(f"{a.name}_L{s}[l] = {v};" for s, _, v in _lane_fields(a))
+        reset = " ".join(f"{a.name}_L{s}[l] = {v};" for s, _, v in lane_fields(a))
         if a.row.family is Family.WELFORD:
             lines.append(f"{ind}{t} {a.name}_Lcnt[{w}];")
             reset += f" {a.name}_Lcnt[l] = 0;"
         lines.append(f"{ind}for (int l = 0; l < nl; l++) {{ {reset} }}")
         lines.append(f"{ind}for (int q = 0; q < nt; q++)")
-        step = _merge_step(a, f"{a.name}_P", f"q * {w} + l", lane=True, cnt_idx="q")
+        step = merge_step(a, f"{a.name}_P", f"q * {w} + l", lane=True, cnt_idx="q")
         lines.append(f"{ind}  for (int l = 0; l < nl; l++) {step}")
     lines.append(f"{ind}#pragma omp barrier")
 

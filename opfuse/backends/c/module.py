@@ -7,12 +7,10 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ...finite import FiniteGuard, gain, largest
 from ...ir.graph import Graph, Node, bind
 from ...lower.epilogue import (
     ADDITIVE,
@@ -24,33 +22,13 @@ from ...lower.epilogue import (
 )
 from ...lower.groups import Lowered
 from ...lower.kernel import Kernel
-from ...plan import Built, BuiltCall, BuiltGemm, BuiltKernel
 from ...rewrite.layout import has_format, is_channels_last
+from ...runtime.finite import FiniteGuard, gain, largest
+from ...runtime.plan import Built, BuiltCall, BuiltGemm, BuiltKernel
+from ..base import Make, Module, Unavailable
 from .build import BuildError, build
 from .gemm import GEMM_TYPES, blas, can_pack, pack_layout, pack_weight, render_gemm
 from .render import render_module
-
-# Builds one candidate: prepacks its weights, binds its kernel. Returns None where torch runs
-# the group; raises Unavailable where a library refuses it (then it is no candidate).
-Make = Callable[[], "Built | None"]
-
-
-class Unavailable(Exception):
-    """The library refuses this candidate (a dtype or layout it does not take)."""
-
-
-@dataclass
-class Module:
-    """The built library and, per group, how to make each candidate. Candidates are made
-    on demand: prepacked weights of the candidates not chosen never coexist."""
-
-    source: str
-    candidates: dict[int, dict[str, Make]] = field(default_factory=dict)
-    # What each candidate computes, independent of names: groups with equal signatures
-    # (the layers of a Transformer) share one timing decision.
-    signatures: dict[int, list[str]] = field(default_factory=dict)
-    cached: bool = True
-    problem: str = ""  # why nothing was built (the compiler failed)
 
 
 def build_module(graph: Graph, lowered: Lowered) -> Module:
@@ -382,7 +360,7 @@ _POST_BOUND: dict[str | None, Callable[..., tuple[float, float]]] = {
 
 
 def _guard(plan: OneDnnPlan, weight: torch.Tensor, bias: torch.Tensor | None) -> FiniteGuard | None:
-    """Bounds through a oneDNN call (finite.py); None where its result has no bound from
+    """Bounds through a oneDNN call (runtime/finite.py); None where its result has no bound from
     its inputs' (a product or quotient with `other`, a post-op outside _POST_BOUND such as
     gelu or silu, which keeps NaN): such a guard would neither decide nor carry anything,
     and cost a check per call."""

@@ -54,7 +54,7 @@ def identity(a: Accumulate) -> str:
 
 
 # _mean / _m2 / _cnt, per-thread partials NAME_P.. (split schedule).
-def _lane_fields(a: Accumulate) -> list[tuple[str, str, str]]:
+def lane_fields(a: Accumulate) -> list[tuple[str, str, str]]:
     """(suffix, C type, initial value) of each lane array."""
     ct = VALUE[a.acc_dtype]
     family = a.row.family
@@ -82,7 +82,7 @@ def _suffix(a: Accumulate, part: str) -> str:
     return "" if part == "value" else part
 
 
-def _declare_lanes(
+def declare_lanes(
     accs: Sequence[Accumulate],
     lines: list[str],
     indent: str,
@@ -93,7 +93,7 @@ def _declare_lanes(
     a columns block of 64 channels sets 64, not 512 (a 2x2 max pool spent as much time
     initialising lanes as reducing)."""
     for a in accs:
-        fields = _lane_fields(a)
+        fields = lane_fields(a)
         for suffix, t, _ in fields:
             lines.append(f"{indent}{t} {a.name}_L{suffix}[{lanes}];")
         body = " ".join(f"{a.name}_L{s}[l] = {v};" for s, _, v in fields)
@@ -138,7 +138,7 @@ def _update(a: Accumulate, v: str, lane: str, pos: str, indent: str, tail: bool)
     ]
 
 
-def _merge_step(
+def merge_step(
     a: Accumulate, src: str, idx: str, lane: bool = False, cnt_idx: str | None = None
 ) -> str:
     """Fold element `idx` of the arrays named `src`+suffix into the NAME_ results, or with
@@ -180,9 +180,9 @@ def _combine_lanes(
         lines.append(f"{indent}{t} {n}_cnt = {n}_tn, {n}_mean = {n}_tmean, {n}_m2 = {n}_tm2;")
         lines.append(f"{indent}{t} {n}_Lcnt[{lanes}];")
         lines.append(f"{indent}for (int l = 0; l < {lanes}; l++) {n}_Lcnt[l] = {n}_n;")
-        lines.append(f"{indent}for (int l = 0; l < {lanes}; l++) {_merge_step(a, n + '_L', 'l')}")
+        lines.append(f"{indent}for (int l = 0; l < {lanes}; l++) {merge_step(a, n + '_L', 'l')}")
         return
-    init = _lane_fields(a)
+    init = lane_fields(a)
     decl = ", ".join(
         f"{n}_{part} = {init[0][2] if part == 'value' else 'INT64_MAX'}" for part, _ in _results(a)
     )
@@ -193,7 +193,7 @@ def _combine_lanes(
         for (part, t), text in zip(_results(a), decl.split(", ")):
             lines.append(f"{indent}{t} {text};")
             del part
-    lines.append(f"{indent}for (int l = 0; l < {lanes}; l++) {_merge_step(a, n + '_L', 'l')}")
+    lines.append(f"{indent}for (int l = 0; l < {lanes}; l++) {merge_step(a, n + '_L', 'l')}")
 
 
 def _simple(accs: Sequence[Accumulate]) -> bool:
@@ -224,7 +224,7 @@ def _pass_body(
         _reduction_clause_pass(em, p, inner, lines, indent, split)
         return
     lanes = lanes_for(accs)
-    _declare_lanes(accs, lines, indent, lanes)
+    declare_lanes(accs, lines, indent, lanes)
     # Values that read no memory (reduced results, constants) are computed once per row.
     hoisted = invariant([*(a.value for a in accs), *(s.value for s in p.stores)], inner)
     em.emit(hoisted, lines, indent)
@@ -257,7 +257,7 @@ def _pass_body(
         b = f"{last.name}_b{number}"
         lines.append(f"{ind}int64_t {b} = {start};")
         lines.append(f"{ind}for (; {b} + {lanes} <= {stop}; {b} += {lanes}) {{")
-        _lane_loop(em, p, lines, ind + "  ", str(lanes), [(last.name, f"{b} + l")], lanes)
+        lane_loop(em, p, lines, ind + "  ", str(lanes), [(last.name, f"{b} + l")], lanes)
         lines.append(f"{ind}}}")
         lines.append(
             f"{ind}for (int64_t {last.name} = {b}; {last.name} < {stop}; {last.name}++) {{"
@@ -284,7 +284,7 @@ def _folded_lanes(
     lines.append(f"{ind}for (; {q} + {lanes} <= {count}; {q} += {lanes}) {{")
     flat = f"({q} + l)"
     lane = [(outer.name, f"{start} + {flat} / {e}"), (last.name, f"{flat} % {e}")]
-    _lane_loop(em, p, lines, ind + "  ", str(lanes), lane, lanes)
+    lane_loop(em, p, lines, ind + "  ", str(lanes), lane, lanes)
     lines.append(f"{ind}}}")
     lines.append(f"{ind}for (int64_t t = {q}; t < {count}; t++) {{")
     lines.append(f"{ind}  const int64_t {outer.name} = {start} + t / {e}, {last.name} = t % {e};")
@@ -398,7 +398,7 @@ def _reduction_clause_pass(
         loop(clause, second, [a.value for a in welford] + stored)
 
 
-def _lane_loop(
+def lane_loop(
     em: Emitter,
     p: Pass,
     lines: list[str],
@@ -506,7 +506,7 @@ def split(k: Kernel, lines: list[str]) -> None:
         for part, t in _results(a):
             lines.append(f"  {t} {a.name}_P{_suffix(a, part)}[nthreads > 0 ? nthreads : 1];")
     align = max(lanes_for(p.accumulates) for p in k.passes) if len(k.inner) == 1 else 1
-    _thread_slices(lines, k.inner[0].extent, align)
+    thread_slices(lines, k.inner[0].extent, align)
     indent = "    "
     for v in k.outer:
         lines.append(for_loop(v, indent))
@@ -529,7 +529,7 @@ def split(k: Kernel, lines: list[str]) -> None:
             )
             lines.append(f"{indent}{reset};")
             lines.append(
-                f"{indent}for (int q = 0; q < nt; q++) {_merge_step(a, a.name + '_P', 'q')}"
+                f"{indent}for (int q = 0; q < nt; q++) {merge_step(a, a.name + '_P', 'q')}"
             )
             _publish(em, a)
         if p.accumulates:
@@ -555,7 +555,7 @@ def _reset_value(a: Accumulate, part: str) -> str:
     return identity(a)
 
 
-def _thread_slices(lines: list[str], ext: int, align: int) -> None:
+def thread_slices(lines: list[str], ext: int, align: int) -> None:
     """Open the parallel region of the split schedules: thread `tid` of `nt` takes [lo, hi)
     of `ext`, slices a multiple of `align` long (whole vector lane groups)."""
     lines.append("  #pragma omp parallel num_threads(nthreads)")

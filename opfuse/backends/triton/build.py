@@ -23,9 +23,8 @@ from typing import Any
 from ...ir.graph import Graph, TensorMeta
 from ...lower.groups import Lowered
 from ...lower.kernel import Kernel
-from ...plan import Built, BuiltKernel
-from ..c.build import cache_dir
-from ..c.module import Make, Module
+from ...runtime.plan import Built, BuiltKernel
+from ..base import Make, Module, cache_dir
 from .libdevice import interpreting
 from .render import NotRenderable, render_kernel, render_module
 

@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
+from ..ir.graph import TensorMeta
 from .finite import FiniteGuard
-from .ir.graph import TensorMeta
 
 
 # -- kernel arguments, in the kernel's argument order ---------------------------------------------

@@ -14,14 +14,14 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from ..options import Options
+from ..pipeline import CompiledGraph, compile_graph, warn_once
+from ..report.make import count_kernels
+from ..report.tables import FusionReport
+from ..rewrite.fx_layout import channels_last_convolutions
 from .capture import capture_fx
 from .decompose import decompositions, keep_whole
-from .explain import count_kernels
-from .options import Options
-from .pipeline import CompiledGraph, compile_graph, warn_once
 from .replay import Facts, learn, twice_differentiable
-from .report import FusionReport
-from .rewrite.fx_layout import channels_last_convolutions
 
 log = logging.getLogger("opfuse")
 

@@ -28,9 +28,9 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 
+from ..ir.graph import GETITEM, INPUT, Graph, GraphBuilder, Source, TensorMeta
 from . import structure
 from .decompose import CALLER_ONEDNN, RECURRENT, decompositions, keep_whole
-from .ir.graph import GETITEM, INPUT, Graph, GraphBuilder, Source, TensorMeta
 
 aten = torch.ops.aten
 

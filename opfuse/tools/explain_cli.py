@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .report import FusionReport, notes, short_name
+from ..report.tables import FusionReport, notes, short_name
 
 _DTYPES = {
     "float32": torch.float32, "float": torch.float32, "float64": torch.float64,
@@ -106,7 +106,7 @@ def print_report(report: FusionReport) -> None:
     except ImportError:
         print(report)
         return
-    from .picture import COLORS
+    from ..report.picture import COLORS
 
     console = Console()
     t = Table(

@@ -10,13 +10,12 @@ from typing import Any
 
 import torch
 
-from .finite import FiniteGuard
-from .fusion.groups import Partition
-from .ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta, map_args
-from .ir.ops import info
-from .lower.epilogue import GemmKernel
-from .lower.kernel import Kernel
-from .runtime import (
+from ..fusion.groups import Partition
+from ..ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta, map_args
+from ..ir.ops import info
+from ..lower.epilogue import GemmKernel
+from ..lower.kernel import Kernel
+from .execute import (
     Const,
     In,
     KernelArg,
@@ -27,6 +26,7 @@ from .runtime import (
     Slot,
     TorchStep,
 )
+from .finite import FiniteGuard
 
 
 @dataclass

@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from .options import Options
-from .structure import flatten
+from ..frontend.structure import flatten
+from ..options import Options
 
 
 @dataclass

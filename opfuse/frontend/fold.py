@@ -16,8 +16,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from ..rewrite.batchnorm import BN_INFERENCE, Refusal, _label, _plan, fold_weights
 from .capture import CaptureError, capture_module, module_calls_fx
-from .rewrite.batchnorm import BN_INFERENCE, Refusal, _label, _plan, fold_weights
 
 _CONVS = (
     nn.Conv1d,

@@ -6,7 +6,7 @@ import sys
 import time
 from types import TracebackType
 
-from .settings import flag
+from ..settings import flag
 
 
 class Progress:

@@ -5,14 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .fusion.groups import Group, Partition, Pattern
-from .ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta
-from .ir.ops import VIEW_OPS, Kind, info, short
-from .lower.epilogue import GemmKernel
-from .lower.groups import Lowered
-from .lower.kernel import Kernel
-from .plan import Built, BuiltCall, BuiltGemm, BuiltKernel
-from .report import EdgeReport, FusionReport, GroupReport, RejectReport
+from ..fusion.groups import Group, Partition, Pattern
+from ..ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta
+from ..ir.ops import VIEW_OPS, Kind, info, short
+from ..lower.epilogue import GemmKernel
+from ..lower.groups import Lowered
+from ..lower.kernel import Kernel
+from ..runtime.plan import Built, BuiltCall, BuiltGemm, BuiltKernel
+from .tables import EdgeReport, FusionReport, GroupReport, RejectReport
 
 
 def count_kernels(graph: Graph) -> int:

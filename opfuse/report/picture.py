@@ -12,7 +12,7 @@ import shutil
 import subprocess
 from collections.abc import Sequence
 
-from .report import FusionReport, GroupReport, human_bytes, notes, short_name
+from .tables import FusionReport, GroupReport, human_bytes, notes, short_name
 
 COLORS = {
     "elementwise": "#a6cee3",

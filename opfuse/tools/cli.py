@@ -52,13 +52,13 @@ def bench(args: argparse.Namespace) -> int:
 
 
 def explain(args: argparse.Namespace) -> int:
-    from opfuse.explain_cli import run
+    from opfuse.tools.explain_cli import run
 
     return run(args)
 
 
 def bisect(args: argparse.Namespace) -> int:
-    from opfuse.explain_cli import run_bisect
+    from opfuse.tools.explain_cli import run_bisect
 
     return run_bisect(args)
 
@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "candidate: warm calls then fault no pages in",
     )
     b.set_defaults(fn=bench)
-    from opfuse.explain_cli import add_arguments
+    from opfuse.tools.explain_cli import add_arguments
 
     e = sub.add_parser("explain", help="what fused, what did not, and why")
     add_arguments(e, outputs=True)

@@ -1,0 +1,1 @@
+"""The command line (demo, explain, bench, bisect) and its progress display."""
