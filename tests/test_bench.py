@@ -104,3 +104,52 @@ def test_the_bare_library_call_runs_right_after_the_fused_one(
     assert orders == [["eager", "opfuse", "bare torch", "bare opfuse"]]
     assert set(r.bare) == {"torch", "opfuse"} and r.epilogue_cost() is not None
     assert len(r.timings["opfuse"].samples) == len(r.bare["torch"].samples) == 3
+
+
+def test_other_engines_are_compared_with_the_fastest_of_them() -> None:
+    from opfuse.bench.tables import Result, markdown
+    from opfuse.bench.timing import of
+
+    r = Result(
+        "resnet50 batch 1",
+        "model",
+        timings={
+            "eager": of([40.0, 40.0]),
+            "opfuse": of([20.0, 22.0]),
+            "inductor-freezing": of([25.0, 25.0]),
+            "onnxruntime": of([30.0, 30.0]),
+            "openvino": of([18.0, 20.0]),
+        },
+    )
+    text = markdown([r], "t")
+    assert "opfuse vs the fastest other" in text
+    assert "0.90x (openvino)" in text
+    gone = Result("mlp batch 1", "model", timings={"eager": of([1.0]), "opfuse": of([1.0])})
+    gone.left_out = {"openvino": "output 0 differs from eager by 1.00e-01"}
+    assert "not timed: openvino: output 0 differs" in markdown([gone], "t")
+
+
+def test_an_engine_that_does_not_match_eager_is_left_out() -> None:
+    from opfuse.bench.engines import _mismatch
+
+    want = [torch.ones(2, 3)]
+    assert _mismatch([torch.ones(2, 3).numpy()], want) == ""
+    assert "differs from eager" in _mismatch([(torch.ones(2, 3) * 1.01).numpy()], want)
+    assert "shape" in _mismatch([torch.ones(3, 2).numpy()], want)
+    assert "2 outputs" in _mismatch([torch.ones(2, 3).numpy()] * 2, want)
+
+
+def test_engines_run_a_model_when_installed() -> None:
+    from opfuse.bench import engines
+
+    if not engines.available():
+        pytest.skip("neither onnxruntime nor openvino is installed (pip install opfuse[engines])")
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.LayerNorm(32))
+    x = torch.randn(4, 16)
+    with torch.no_grad():
+        runners, why = engines.prepare(m.eval(), (x,), m(x))
+    assert not why, why
+    assert set(runners) == set(engines.available())
+    for run in runners.values():
+        assert engines._mismatch(run(), [m(x).detach()]) == ""

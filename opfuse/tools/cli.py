@@ -48,6 +48,7 @@ def bench(args: argparse.Namespace) -> int:
         matmul_precision=args.matmul_precision,
         device=args.device,
         keep_heap=args.keep_heap,
+        engines=not args.no_engines,
     )
 
 
@@ -77,6 +78,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--only", help="run the cases whose name contains this (or a group)")
     b.add_argument("--no-training", action="store_true", help="skip the training steps")
     b.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
+    b.add_argument(
+        "--no-engines",
+        action="store_true",
+        help="leave ONNX Runtime and OpenVINO out of the model rows (they run when installed: "
+        "pip install opfuse[engines])",
+    )
     b.add_argument(
         "--matmul-precision",
         choices=("highest", "high", "medium"),
