@@ -26,10 +26,7 @@ def split_to_views(graph: Graph, ctx: Context) -> Graph:
 def fold_constants(graph: Graph, ctx: Context) -> Graph:
     """Ops on frozen constants alone, evaluated once now."""
     found: list[str] = []
-    graph = cleanup.fold_constants(graph, found)
-    for text in found:
-        ctx.note("fold_constants", text)
-    return graph
+    return _noted(ctx, "fold_constants", (cleanup.fold_constants(graph, found), found))
 
 
 def lower_batchnorm(graph: Graph, ctx: Context) -> Graph:
@@ -40,10 +37,7 @@ def lower_batchnorm(graph: Graph, ctx: Context) -> Graph:
 def fuse_attention(graph: Graph, ctx: Context) -> Graph:
     if not ctx.options.fuse_attention:
         return graph
-    graph, notes = attention.fuse_attention(graph)
-    for text in notes:
-        ctx.note("fuse_attention", text)
-    return graph
+    return _noted(ctx, "fuse_attention", attention.fuse_attention(graph))
 
 
 def channels_last(graph: Graph, ctx: Context) -> Graph:
@@ -56,23 +50,25 @@ def channels_last(graph: Graph, ctx: Context) -> Graph:
 
 def pools_in_kernels(graph: Graph, ctx: Context) -> Graph:
     # after the layout pass: a pool over channels-last input reduces with lanes along C
-    graph, notes = pooling.pools_in_kernels(graph, ctx.devices)
-    for text in notes:
-        ctx.note("pools_in_kernels", text)
-    return graph
+    return _noted(ctx, "pools_in_kernels", pooling.pools_in_kernels(graph, ctx.devices))
 
 
 def random_in_kernels(graph: Graph, ctx: Context) -> Graph:
     if ctx.options.random != "kernel":
         return graph
-    graph, notes = random.random_in_kernels(graph, ctx.devices)
-    for text in notes:
-        ctx.note("random_in_kernels", text)
-    return graph
+    return _noted(ctx, "random_in_kernels", random.random_in_kernels(graph, ctx.devices))
 
 
 def copies_in_kernels(graph: Graph, ctx: Context) -> Graph:
     return cleanup.copies_in_kernels(graph)
+
+
+def _noted(ctx: Context, name: str, result: tuple[Graph, list[str]]) -> Graph:
+    """The rewritten graph; what the rewrite said goes into ctx's notes under `name`."""
+    graph, notes = result
+    for text in notes:
+        ctx.note(name, text)
+    return graph
 
 
 REWRITES = (
