@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import opfuse
 from opfuse import autotune
@@ -602,3 +604,45 @@ def test_the_tuner_times_a_blocked_gemm_behind_a_view_once(
     # the unfused candidates call addmm themselves; the blocked one must not call it at all
     assert any("addmm" not in p for p in plans), plans
     assert_matches_eager(m, fast(x), (x,))
+
+
+@pytest.mark.parametrize("epilogue", [True, False])
+def test_float32_linear_over_k_blocks_of_onednn_keeps_mkls_accuracy(epilogue: bool) -> None:
+    # At torch's "highest" matmul precision oneDNN's one-call float32 GEMM is no candidate
+    # (one K chain: 2-2.5x further from float64 than MKL's); in K blocks it is, alone (a
+    # library group) or before the unfused epilogue kernel.
+    torch.manual_seed(0)
+    lin = nn.Linear(300, 96)
+    fn = (lambda x: F.gelu(lin(x)) + 1) if epilogue else (lambda x: lin(x))
+    impl = "onednn-kblocks-unfused" if epilogue else "onednn-kblocks"
+    r = run(fn, (torch.randn(4, 33, 300),), impl)
+    (g,) = anchored(r, "gemm_epilogue" if epilogue else "library")
+    if epilogue:
+        assert "_onednn-kblocks_unfused_" in g.kernel and r.kernels_after == 2
+    else:
+        assert g.kernel == "onednn-kblocks(addmm)"
+    measured = opfuse.explain(Fn(fn).eval(), torch.randn(4, 33, 300))
+    (g,) = anchored(measured, "gemm_epilogue" if epilogue else "library")
+    assert "onednn-kblocks" in g.implementation  # timed with the others
+    short = nn.Linear(64, 96)  # one block: oneDNN's one call, not a candidate
+    r = opfuse.explain(short.eval(), torch.randn(8, 64))
+    assert "onednn" not in anchored(r, "library")[0].implementation
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    m=st.integers(1, 200),
+    k=st.integers(65, 1200),
+    n=st.integers(1, 300),
+    seed=st.integers(0, 10_000),
+    bias=st.booleans(),
+)
+def test_k_blocked_onednn_gemm_is_as_close_to_float64_as_eager(
+    m: int, k: int, n: int, seed: int, bias: bool
+) -> None:
+    g = torch.Generator().manual_seed(seed)
+    lin = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g) / k**0.5)
+    x = torch.randn(m, k, generator=g)
+    run(lin, (x,), "onednn-kblocks")

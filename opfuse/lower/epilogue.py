@@ -313,7 +313,7 @@ class PackedThenKernel:
 
     anchor: Node
     kernel: Kernel
-    library: str = "mkl"  # "mkl" | "onednn"
+    library: str = "mkl"  # "mkl" | "onednn" | "onednn-kblocks"
 
 
 @dataclass(frozen=True)
