@@ -99,13 +99,13 @@ def gemm_spec(anchor: Node) -> tuple[GemmSpec | None, str]:
     ao, bo = _operand(x, m, k), _operand(w, k, n)
     if ao is None or bo is None:
         return None, "a matmul input has a layout BLAS cannot read"
-    packable = anchor.op != "aten.bmm.default" and _const_root(w) is not None
+    packable = anchor.op != "aten.bmm.default" and const_root(w) is not None
     return GemmSpec(
         anchor.op.split(".")[1], ao, bo, bias, alpha, beta, batch, m, n, k, packable
     ), ""
 
 
-def _const_root(n: Node) -> Node | None:
+def const_root(n: Node) -> Node | None:
     while n.op != CONSTANT:
         if not _is_view(n):
             return None
@@ -379,7 +379,7 @@ def match_onednn(graph: Graph, anchor: Node, members: Sequence[Node]) -> OneDnnP
             return None
     elif (
         anchor.op not in ("aten.addmm.default", "aten.mm.default")
-        or _const_root(bind(anchor)["mat2"]) is None
+        or const_root(bind(anchor)["mat2"]) is None
         or anchor.tensor.ndim != 2
     ):
         return None

@@ -24,7 +24,7 @@ from .epilogue import (
     GemmKernel,
     OneDnnPlan,
     PackedThenKernel,
-    _const_root,
+    const_root,
     lower_blocked,
     lower_unfused,
     match_onednn,
@@ -194,4 +194,4 @@ def _k_blocks_pay(anchor: Node) -> bool:
 def _constant_weights(graph: Graph, anchor: Node) -> bool:
     a = bind(anchor)
     w = a.get("weight", a.get("mat2"))
-    return isinstance(w, Node) and _const_root(w) is not None
+    return isinstance(w, Node) and const_root(w) is not None

@@ -18,7 +18,7 @@ from ...lower.epilogue import (
     GemmKernel,
     OneDnnPlan,
     PackedThenKernel,
-    _const_root,
+    const_root,
 )
 from ...lower.groups import Lowered, k_blocks
 from ...lower.kernel import Kernel
@@ -216,7 +216,7 @@ def _const(graph: Graph, n: Node | None) -> torch.Tensor | None:
         return None
     if n.name in graph.constants:
         return graph.constants[n.name]
-    root = _const_root(n)
+    root = const_root(n)
     if root is None:
         return None
     base = graph.constants[root.name]
