@@ -20,8 +20,8 @@ import logging
 import math
 from collections.abc import Iterable
 
-from ..ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta, bind
-from ..ir.ops import ATTENTION, Kind, info, is_generator, reads_through, reduce_dims
+from ..ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta
+from ..ir.ops import ATTENTION, Kind, info, is_generator, reads_through, reduction_domain
 from .classify import Classified
 from .groups import Group, Partition, Pattern, Rejection
 from .rules import Lowerable, can_fuse, can_take_epilogue, epilogue_consumers, fusable_kind
@@ -194,7 +194,7 @@ class _Partitioner:
             return _domain(nodes), ()
         if all(k <= Kind.BROADCAST or k == Kind.REDUCTION for k in kinds):
             r = next(n for n, k in zip(nodes, kinds) if k == Kind.REDUCTION)
-            return bind(r)["self"].tensor.shape, reduce_dims(r)[0]
+            return reduction_domain(r)
         return None
 
     def _attach_epilogues(self) -> None:

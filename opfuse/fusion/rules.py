@@ -36,8 +36,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import Protocol
 
-from ..ir.graph import GETITEM, Graph, Node, TensorMeta, bind
-from ..ir.ops import Kind, info, reduce_dims, short
+from ..ir.graph import GETITEM, Graph, Node, TensorMeta
+from ..ir.ops import Kind, info, mismatched_reductions, short
 from ..ir.uses import used_outside
 
 MAX_GROUP_NODES = 256
@@ -68,27 +68,9 @@ def can_fuse(s: Groups, a: int, b: int, lowerable: Lowerable) -> str | None:
         return f"the group would exceed {MAX_GROUP_NODES} ops"
     if creates_cycle(s, set(A), set(B)):
         return "fusing would create a cycle through an op outside both groups"
-    why = _one_reduction_domain(s, A + B)
-    if why:
-        return why
-    return lowerable(s.g, A + B)
-
-
-def _one_reduction_domain(s: Groups, nodes: list[Node]) -> str | None:
-    """A kernel's reductions reduce the same dims of the same shape (its loop nest)."""
-    reds = sorted((n for n in nodes if s.kinds.get(n) == Kind.REDUCTION), key=s.index.__getitem__)
-    if len(reds) < 2:
-        return None
-    first = reds[0]
-    shape, (dims, _) = bind(first)["self"].tensor.shape, reduce_dims(first)
-    for r in reds[1:]:
-        s2, (d2, _) = bind(r)["self"].tensor.shape, reduce_dims(r)
-        if s2 != shape or d2 != dims:
-            return (
-                f"{r.name} reduces dims {list(d2)} of {list(s2)}, "
-                f"{first.name} reduces dims {list(dims)} of {list(shape)}"
-            )
-    return None
+    # A kernel's reductions reduce the same dims of the same shape (its loop nest).
+    reds = sorted((n for n in A + B if s.kinds.get(n) == Kind.REDUCTION), key=s.index.__getitem__)
+    return mismatched_reductions(reds) or lowerable(s.g, A + B)
 
 
 def epilogue_consumers(s: Groups, anchor: Node) -> list[Node]:

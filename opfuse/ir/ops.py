@@ -860,3 +860,25 @@ def reduce_dims(n: Node) -> tuple[tuple[int, ...], bool]:
         dims = tuple(dim)
     norm = tuple(sorted({d + rank if d < 0 else d for d in dims})) if rank else ()
     return norm, bool(a.get("keepdim", False))
+
+
+def reduction_domain(n: Node) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape of the reduced input, dims it reduces): the loop nest a reduction runs."""
+    return bind(n)["self"].tensor.shape, reduce_dims(n)[0]
+
+
+def mismatched_reductions(reductions: Sequence[Node]) -> str | None:
+    """Why these reductions (in topological order) cannot share one loop nest, or None:
+    each must reduce the same dims of the same shape as the first."""
+    if not reductions:
+        return None
+    first = reductions[0]
+    shape, dims = reduction_domain(first)
+    for r in reductions[1:]:
+        s2, d2 = reduction_domain(r)
+        if s2 != shape or d2 != dims:
+            return (
+                f"{r.name} reduces dims {list(d2)} of {list(s2)}, "
+                f"{first.name} reduces dims {list(dims)} of {list(shape)}"
+            )
+    return None

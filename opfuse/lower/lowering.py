@@ -30,7 +30,15 @@ import torch
 from ..ir.combine import COMBINES, Combine, Family
 from ..ir.graph import CONSTANT, GETITEM, Graph, Node, TensorMeta, bind
 from ..ir.index import Ix, Var, address, delinearize, linearize
-from ..ir.ops import Kind, info, is_generator, reads_through, reduce_dims, short
+from ..ir.ops import (
+    Kind,
+    info,
+    is_generator,
+    mismatched_reductions,
+    reads_through,
+    reduction_domain,
+    short,
+)
 from ..ir.scalar import Expr, cast, const, opmath, walk
 from ..ir.uses import used_outside
 from .constants import formula as constant_formula
@@ -383,18 +391,10 @@ class _Lowering:
         return tuple(s for d, s in enumerate(self.full_shape) if d not in self.dims)
 
     def _reduction_domain(self, reductions: list[Node]) -> None:
-        first = reductions[0]
-        shape = bind(first)["self"].tensor.shape
-        dims, _ = reduce_dims(first)
-        for r in reductions[1:]:
-            s2 = bind(r)["self"].tensor.shape
-            d2, _ = reduce_dims(r)
-            if s2 != shape or d2 != dims:
-                raise NotFusable(
-                    f"{r.name} reduces dims {list(d2)} of {list(s2)}, "
-                    f"{first.name} reduces dims {list(dims)} of {list(shape)}"
-                )
-        self._set_domain(shape, dims)
+        why = mismatched_reductions(reductions)
+        if why:
+            raise NotFusable(why)
+        self._set_domain(*reduction_domain(reductions[0]))
 
     def _passes(self, roots: list[_Root]) -> tuple[Pass, ...]:
         """Pass p accumulates the reductions whose inputs read only results of passes
