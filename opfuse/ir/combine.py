@@ -77,7 +77,3 @@ COMBINES: dict[Combine, CombineRow] = {
                                 triton_merge="combine_welford"),
 }
 # fmt: on
-
-
-def row(combine: str) -> CombineRow:
-    return COMBINES[Combine(combine)]

@@ -6,14 +6,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
-
 from ...ir.combine import Family
-from ...ir.scalar import Expr
 from ...lower.kernel import Accumulate, Kernel
 from ...lower.schedule import COLUMN_LANES
 from .emit import VALUE, Emitter, emit_stores, for_loop
-from .reductions import declare_lanes, lane_fields, lane_loop, merge_step, thread_slices
+from .reductions import (
+    acc_leaf,
+    declare_lanes,
+    lane_fields,
+    lane_loop,
+    merge_step,
+    part_suffix,
+    thread_slices,
+)
 
 
 def columns(k: Kernel, lines: list[str], split: bool = False) -> None:
@@ -57,11 +62,9 @@ def columns(k: Kernel, lines: list[str], split: bool = False) -> None:
         if split and p.accumulates:
             _merge_column_lanes(p.accumulates, lines, indent)
         for a in p.accumulates:
-            for part, suffix in _lane_parts(a):
-                dtype = torch.int64 if part == "index" else a.acc_dtype
-                if a.row.family is Family.ARGSELECT and part == "value":
-                    dtype = a.value.dtype
-                em.scopes[0][Expr("acc", (), dtype, (a.name, part))] = f"{a.name}_L{suffix}[l]"
+            # each lane's array slot is already that column's result
+            for part in a.row.parts:
+                em.scopes[0][acc_leaf(a, part)] = f"{a.name}_L{part_suffix(a, part)}[l]"
         if p.after:
             ind = indent
             if split:  # one thread writes the per-column results
@@ -121,13 +124,3 @@ def _merge_column_lanes(accs: Sequence[Accumulate], lines: list[str], ind: str) 
         step = merge_step(a, f"{a.name}_P", f"q * {w} + l", lane=True, cnt_idx="q")
         lines.append(f"{ind}  for (int l = 0; l < nl; l++) {step}")
     lines.append(f"{ind}#pragma omp barrier")
-
-
-def _lane_parts(a: Accumulate) -> list[tuple[str, str]]:
-    """(result part, lane array suffix): in the columns schedule each lane's array slot is
-    already that column's result."""
-    if a.row.family is Family.ARGSELECT:
-        return [("value", "v"), ("index", "i")]
-    if a.row.family is Family.WELFORD:
-        return [("mean", "mean"), ("m2", "m2")]
-    return [("value", "")]

@@ -66,16 +66,22 @@ def lane_fields(a: Accumulate) -> list[tuple[str, str, str]]:
 
 
 def _results(a: Accumulate) -> list[tuple[str, str]]:
-    """(part, C type) of the combined results."""
+    """(part, C type) of the combined results: a Welford count, then the combine's parts."""
     ct = VALUE[a.acc_dtype]
-    if a.row.family is Family.ARGSELECT:
-        return [("value", ct), ("index", "int64_t")]
-    if _welford(a):
-        return [("cnt", ct), ("mean", ct), ("m2", ct)]
-    return [("value", ct)]
+    count = [("cnt", ct)] if _welford(a) else []
+    return count + [(p, "int64_t" if p == "index" else ct) for p in a.row.parts]
 
 
-def _suffix(a: Accumulate, part: str) -> str:
+def acc_leaf(a: Accumulate, part: str) -> Expr:
+    """The Expr("acc") leaf through which later values read result `part` of `a`, with the
+    dtype lowering gave it (an argmax's value keeps the compared values' dtype)."""
+    dtype = torch.int64 if part == "index" else a.acc_dtype
+    if a.row.family is Family.ARGSELECT and part == "value":
+        dtype = a.value.dtype
+    return Expr("acc", (), dtype, (a.name, part))
+
+
+def part_suffix(a: Accumulate, part: str) -> str:
     """Array suffix that holds result `part` (lane and partial arrays share suffixes)."""
     if a.row.family is Family.ARGSELECT:
         return "v" if part == "value" else "i"
@@ -146,7 +152,7 @@ def merge_step(
     n, t = a.name, VALUE[a.acc_dtype]
 
     def dst(part: str) -> str:
-        return f"{n}_L{_suffix(a, part)}[l]" if lane else f"{n}_{part}"
+        return f"{n}_L{part_suffix(a, part)}[l]" if lane else f"{n}_{part}"
 
     v, i = dst("value"), dst("index")
     r = a.row
@@ -441,13 +447,8 @@ def _accumulate(em: Emitter, p: Pass, lines: list[str], ind: str, lane: str, tai
 
 def _publish(em: Emitter, a: Accumulate) -> None:
     """Bind the combined results to the Expr 'acc' leaves that later values read."""
-    for part, _ in _results(a):
-        if part == "cnt":
-            continue
-        dtype = torch.int64 if part == "index" else a.acc_dtype
-        if a.row.family is Family.ARGSELECT and part == "value":
-            dtype = a.value.dtype
-        em.scopes[0][Expr("acc", (), dtype, (a.name, part))] = f"{a.name}_{part}"
+    for part in a.row.parts:
+        em.scopes[0][acc_leaf(a, part)] = f"{a.name}_{part}"
 
 
 def rows(k: Kernel, lines: list[str]) -> None:
@@ -504,7 +505,7 @@ def split(k: Kernel, lines: list[str]) -> None:
     accs = [a for p in k.passes for a in p.accumulates]
     for a in accs:  # partials live outside the parallel region: shared by the threads
         for part, t in _results(a):
-            lines.append(f"  {t} {a.name}_P{_suffix(a, part)}[nthreads > 0 ? nthreads : 1];")
+            lines.append(f"  {t} {a.name}_P{part_suffix(a, part)}[nthreads > 0 ? nthreads : 1];")
     align = max(lanes_for(p.accumulates) for p in k.passes) if len(k.inner) == 1 else 1
     thread_slices(lines, k.inner[0].extent, align)
     indent = "    "
@@ -520,7 +521,7 @@ def split(k: Kernel, lines: list[str]) -> None:
                 a, lines, indent, clause=_simple(p.accumulates), lanes=lanes_for(p.accumulates)
             )
             for part, _ in _results(a):
-                lines.append(f"{indent}{a.name}_P{_suffix(a, part)}[tid] = {a.name}_{part};")
+                lines.append(f"{indent}{a.name}_P{part_suffix(a, part)}[tid] = {a.name}_{part};")
         if p.accumulates:
             lines.append(f"{indent}#pragma omp barrier")
         for a in p.accumulates:
