@@ -33,7 +33,7 @@ from .decisions import (
 from .fusion.groups import Group, Partition
 from .ir.graph import CONSTANT, INPUT, Graph, GraphBuilder, Node, TensorMeta
 from .ir.ops import Kind, info
-from .lower.lowering import used_outside
+from .ir.uses import used_outside
 from .runtime.execute import Runtime
 from .runtime.heap import release_freed_memory
 from .runtime.plan import Built, BuiltCall, build_plan

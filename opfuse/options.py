@@ -3,71 +3,22 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from .lower.groups import IMPLEMENTATIONS
 from .settings import check, flag
 
 
-@dataclass
-class Options:
-    """Compiler switches. Defaults come from the environment (OPFUSE_*)."""
-
-    fuel: int | None = field(default_factory=lambda: _env_int("OPFUSE_FUEL"))
-    # a folder: the graph after every rewrite, the generated source and the report
-    debug_dir: str | None = field(default_factory=lambda: os.environ.get("OPFUSE_DEBUG_DIR"))
-    # check the graph after every rewrite (ir/verify.py); on under the tests
-    verify: bool = field(default_factory=lambda: flag("OPFUSE_VERIFY"))
-    fold_batchnorm: bool = True
-    fuse_attention: bool = True  # matmul-softmax-matmul as one fused attention call
-    freeze: bool = True  # parameters are constants (eval-mode opfuse.compile)
-    # "channels-last": frozen conv graphs run NHWC between convolutions; "keep": as captured.
-    layout: str = field(default_factory=lambda: os.environ.get("OPFUSE_LAYOUT") or "channels-last")
-    # Force how epilogue and library groups run (one of lower.groups.IMPLEMENTATIONS:
-    # "unfused", "blocked", "onednn", ...) where that is possible, instead of measuring:
-    # for tests and for bisecting.
-    implementation: str | None = field(
-        default_factory=lambda: os.environ.get("OPFUSE_IMPLEMENTATION") or None
-    )
-    # "kernel": rand_like/rand (dropout) drawn inside the kernels that use them, from a
-    # counter-based generator seeded by torch's; "torch": torch's own rand calls.
-    random: str = field(default_factory=lambda: os.environ.get("OPFUSE_RANDOM") or "kernel")
-    # "c": C with OpenMP (CPU tensors); "triton": Triton kernels (the interpreter runs them
-    # on CPU tensors with TRITON_INTERPRET=1), library calls with torch; "auto": Triton
-    # for graphs on a GPU, C otherwise.
-    backend: str = field(default_factory=lambda: os.environ.get("OPFUSE_BACKEND") or "auto")
-
-    def __post_init__(self) -> None:
-        # Checked here, not where they are read: a compile that fails later falls back to
-        # torch with a warning, and a misspelt option must be an error instead.
-        for name, allowed in (
-            ("random", ("kernel", "torch")),
-            ("layout", ("channels-last", "keep")),
-            ("backend", ("auto", "c", "triton")),
-            ("implementation", (None, *IMPLEMENTATIONS)),
-            ("fold_batchnorm", (True, False)),
-            ("fuse_attention", (True, False)),
-            ("freeze", (True, False)),
-            ("verify", (True, False)),
-        ):
-            env = f" (or {_ENV[name]})" if name in _ENV else ""
-            check(f"Options.{name}{env}", getattr(self, name), allowed)
-        if self.fuel is not None and (not isinstance(self.fuel, int) or self.fuel < 0):
-            raise ValueError(
-                f"Options.fuel (or OPFUSE_FUEL) must be a count >= 0, not {self.fuel!r}"
-            )
+def _env(var: str, read: Callable[[str], Any]) -> Any:
+    """A field whose default `read(var)` takes from environment variable `var` (which
+    error messages then name beside the field)."""
+    return field(default_factory=lambda: read(var), metadata={"env": var})
 
 
-# The environment variable behind each Options field that has one.
-_ENV = {
-    "fuel": "OPFUSE_FUEL",
-    "debug_dir": "OPFUSE_DEBUG_DIR",
-    "verify": "OPFUSE_VERIFY",
-    "layout": "OPFUSE_LAYOUT",
-    "implementation": "OPFUSE_IMPLEMENTATION",
-    "random": "OPFUSE_RANDOM",
-    "backend": "OPFUSE_BACKEND",
-}
+def _text(default: str | None) -> Callable[[str], str | None]:
+    return lambda var: os.environ.get(var) or default
 
 
 def _env_int(name: str) -> int | None:
@@ -78,3 +29,51 @@ def _env_int(name: str) -> int | None:
         return int(v)
     except ValueError:
         raise ValueError(f"{name} must be a whole number, not {v!r}") from None
+
+
+@dataclass
+class Options:
+    """Compiler switches. Defaults come from the environment (OPFUSE_*)."""
+
+    fuel: int | None = _env("OPFUSE_FUEL", _env_int)
+    # a folder: the graph after every rewrite, the generated source and the report
+    debug_dir: str | None = _env("OPFUSE_DEBUG_DIR", os.environ.get)
+    # check the graph after every rewrite (ir/verify.py); on under the tests
+    verify: bool = _env("OPFUSE_VERIFY", flag)
+    fold_batchnorm: bool = True
+    fuse_attention: bool = True  # matmul-softmax-matmul as one fused attention call
+    freeze: bool = True  # parameters are constants (eval-mode opfuse.compile)
+    # "channels-last": frozen conv graphs run NHWC between convolutions; "keep": as captured.
+    layout: str = _env("OPFUSE_LAYOUT", _text("channels-last"))
+    # Force how epilogue and library groups run (one of lower.groups.IMPLEMENTATIONS:
+    # "unfused", "blocked", "onednn", ...) where that is possible, instead of measuring:
+    # for tests and for bisecting.
+    implementation: str | None = _env("OPFUSE_IMPLEMENTATION", _text(None))
+    # "kernel": rand_like/rand (dropout) drawn inside the kernels that use them, from a
+    # counter-based generator seeded by torch's; "torch": torch's own rand calls.
+    random: str = _env("OPFUSE_RANDOM", _text("kernel"))
+    # "c": C with OpenMP (CPU tensors); "triton": Triton kernels (the interpreter runs them
+    # on CPU tensors with TRITON_INTERPRET=1), library calls with torch; "auto": Triton
+    # for graphs on a GPU, C otherwise.
+    backend: str = _env("OPFUSE_BACKEND", _text("auto"))
+
+    def __post_init__(self) -> None:
+        # Checked here, not where they are read: a compile that fails later falls back to
+        # torch with a warning, and a misspelt option must be an error instead.
+        env = {f.name: f.metadata["env"] for f in fields(self) if "env" in f.metadata}
+        for name, allowed in (
+            ("random", ("kernel", "torch")),
+            ("layout", ("channels-last", "keep")),
+            ("backend", ("auto", "c", "triton")),
+            ("implementation", (None, *IMPLEMENTATIONS)),
+            ("fold_batchnorm", (True, False)),
+            ("fuse_attention", (True, False)),
+            ("freeze", (True, False)),
+            ("verify", (True, False)),
+        ):
+            var = env.get(name)
+            check(f"Options.{name}{f' (or {var})' if var else ''}", getattr(self, name), allowed)
+        if self.fuel is not None and (not isinstance(self.fuel, int) or self.fuel < 0):
+            raise ValueError(
+                f"Options.fuel (or OPFUSE_FUEL) must be a count >= 0, not {self.fuel!r}"
+            )

@@ -102,7 +102,7 @@ def compile_graph(
     if module.problem:
         report.warnings.append(module.problem)
     if opts.debug_dir:
-        dump(ctx, module.source, report)
+        dump(ctx, module.source, report, triton)
     compiled = CompiledGraph(graph, Runtime(plan), report, module.source)
     release_freed_memory()
     return compiled
@@ -137,8 +137,8 @@ def backend(graph: Graph, opts: Options) -> tuple[str, str]:
     return "c", "tensors on the CPU"
 
 
-def dump(ctx: Context, source: str, report: FusionReport) -> None:
+def dump(ctx: Context, source: str, report: FusionReport, triton: bool) -> None:
     """The generated source and the report, next to the per-pass graphs."""
-    ctx.dump("source.py" if report.backend.startswith("triton") else "source.c", source)
+    ctx.dump("source.py" if triton else "source.c", source)
     ctx.dump("report.txt", str(report) + "\n")
     ctx.dump("report.json", report.to_json(indent=1))

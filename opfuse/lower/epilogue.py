@@ -24,8 +24,9 @@ from ..ir.graph import CONSTANT, GETITEM, Graph, Node, bind
 from ..ir.index import Ix, Var, address
 from ..ir.ops import VIEW_OPS
 from ..ir.scalar import walk
+from ..ir.uses import used_outside
 from .kernel import Kernel, map_indices
-from .lowering import NotFusable, _Lowering, lower_group, lower_on_domain, used_outside
+from .lowering import NotFusable, _Lowering, lower_group, lower_on_domain
 
 GEMMS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
 CONV = "aten.convolution.default"

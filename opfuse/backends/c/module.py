@@ -121,11 +121,10 @@ def _torch_runs() -> None:
 
 
 def _make_library_call(graph: Graph, c: OneDnnPlan, cname: str) -> Built:
+    linear = _LINEAR_CALLS.get(cname)
     try:
-        if cname == "mkl":
-            call = mkl_linear_call(graph, c)
-        elif cname == "onednn-kblocks":
-            call = chunked_linear_call(graph, c)
+        if linear is not None:
+            call = linear(graph, c)
         else:
             call = onednn_call(graph, c, channels_last=cname.endswith("nhwc"))
     except RuntimeError as e:  # oneDNN refuses this dtype or layout
@@ -137,11 +136,8 @@ def _make_library_call(graph: Graph, c: OneDnnPlan, cname: str) -> Built:
 
 def _make_packed_then(graph: Graph, c: PackedThenKernel, fn: Any) -> Built:
     plain = OneDnnPlan(c.anchor, c.anchor)
-    make = {"mkl": mkl_linear_call, "onednn-kblocks": chunked_linear_call}.get(
-        c.library, _linear_call
-    )
     try:
-        first = make(graph, plain)
+        first = _LINEAR_CALLS.get(c.library, _linear_call)(graph, plain)
     except RuntimeError as e:  # oneDNN refuses this dtype or layout
         raise Unavailable(str(e)) from e
     if first is None:
@@ -276,6 +272,14 @@ def chunked_linear_call(graph: Graph, plan: OneDnnPlan) -> BuiltCall | None:
         return out
 
     return BuiltCall(call, [x], plan.output, library="onednn-kblocks")
+
+
+# The packed linears other than oneDNN's one call, by candidate (or PackedThenKernel
+# library) name.
+_LINEAR_CALLS: dict[str, Callable[[Graph, OneDnnPlan], BuiltCall | None]] = {
+    "mkl": mkl_linear_call,
+    "onednn-kblocks": chunked_linear_call,
+}
 
 
 def _packed_for_onednn(weight: torch.Tensor, rows: int) -> torch.Tensor:
