@@ -17,15 +17,18 @@ from typing import Any
 
 import torch
 
+from .lower.groups import IMPLEMENTATIONS
+
 # Part of every decision's key: a change to how candidates are timed or run (the estimator,
 # an in-place variant) makes decisions remembered under the old rules stale.
-TUNER_VERSION = "10"
+TUNER_VERSION = "11"
 # Candidates that write the library's result to memory and read it back for the epilogue.
 # Timed alone, their intermediate stays in cache between the two kernels; inside a model it
 # evicts the data the next groups read, so they win only by a margin (ResNet-50 batch 8:
 # five 3x3 convolutions + ReLU timed 1-5% faster unfused, yet the model ran 6.5% faster
-# with every group fused).
-MATERIALISING = frozenset({"unfused", "mkl-unfused", "onednn-unfused"})
+# with every group fused). Every "*unfused" candidate is one (a library call, then the
+# epilogue kernel), so none can be left off the list.
+MATERIALISING = frozenset(n for n in IMPLEMENTATIONS if n.endswith("unfused"))
 FUSED_MARGIN = 1.10
 # torch's convolution reorders its plain weight into oneDNN's blocked layout on every call;
 # timed alone the reorder reads a weight that stays in cache. ResNet-50 batch 8 in a model

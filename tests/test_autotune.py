@@ -169,6 +169,9 @@ def test_an_unfused_candidate_must_win_by_a_margin() -> None:
     assert autotune.pick(far) == "unfused"
     assert "fused kept" not in autotune.Decision("unfused", far).describe()
     assert autotune.pick({"mkl-unfused": 0.01}) == "mkl-unfused"
+    # every library-call-then-epilogue candidate is held to the margin, the K-blocked too
+    k_blocks = {"onednn-kblocks-unfused": 0.0100, "blocked": 0.0105}
+    assert autotune.pick(k_blocks) == "blocked"
 
 
 def test_a_convolution_reordering_its_weight_per_call_must_win_by_a_margin() -> None:
