@@ -251,6 +251,51 @@ class GPT2(nn.Module):
         return self.ln_f(x) @ self.wte.weight.t()
 
 
+class GPT2Decoder(GPT2):
+    """GPT-2 with a key/value cache, for generation: `forward(ids, *past)` returns the
+    next-token logits of the last position and the cache grown by `ids` (a key and a value
+    tensor per layer, [batch, heads, length, head dim]). Same weights as `GPT2`."""
+
+    def forward(self, ids: torch.Tensor, *past: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        b, s = ids.shape
+        start = past[0].shape[2] if past else 0
+        pos = torch.arange(start, start + s, device=ids.device)
+        x = self.wte(ids) + self.wpe(pos)
+        cache: list[torch.Tensor] = []
+        for i, blk in enumerate(self.blocks):
+            assert isinstance(blk, GPT2Block)
+            attn = blk.attn
+            h, d = attn.heads, x.shape[-1]
+            q, k, v = attn.qkv(blk.ln1(x)).view(b, s, 3, h, d // h).permute(2, 0, 3, 1, 4)
+            if past:
+                k = torch.cat([past[2 * i], k], dim=2)
+                v = torch.cat([past[2 * i + 1], v], dim=2)
+            cache += [k, v]
+            # a prompt attends causally; one new token attends to everything before it
+            # (a branch, not is_causal=s > 1: under symbolic sizes that is no bool)
+            if not past and s > 1:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                out = F.scaled_dot_product_attention(q, k, v)
+            x = x + attn.proj(out.transpose(1, 2).reshape(b, s, d))
+            x = x + blk.proj(F.gelu(blk.fc(blk.ln2(x)), approximate="tanh"))
+        logits = self.ln_f(x[:, -1:]) @ self.wte.weight.t()
+        return (logits, *cache)
+
+
+def generate(step: Any, prompt: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy decoding with `step` (a GPT2Decoder or a compiled one): the prompt, then one
+    token at a time on the growing cache."""
+    out = step(prompt)
+    tokens = [prompt]
+    for i in range(new_tokens):
+        nxt = out[0][:, -1].argmax(-1, keepdim=True)
+        tokens.append(nxt)
+        if i + 1 < new_tokens:
+            out = step(nxt, *out[1:])
+    return torch.cat(tokens, dim=1)
+
+
 class ViTBlock(nn.Module):
     def __init__(self, dim: int = 768, heads: int = 12) -> None:
         super().__init__()

@@ -241,6 +241,7 @@ def main(
     device: str = "cpu",
     keep_heap: bool = False,
     engines: bool = True,
+    dynamic: bool = True,
 ) -> int:
     if keep_heap:
         from ..runtime.heap import MMAP_THRESHOLD, TRIM_THRESHOLD, keep_freed_memory
@@ -260,7 +261,7 @@ def main(
     os.environ["OPFUSE_CACHE_DIR"] = os.path.join(scratch, "opfuse")
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(scratch, "inductor")
     cases = [c for c in all_cases() if c.quick or not quick]
-    jobs: list[tuple[str, str, Callable[[], Result]]] = [
+    jobs: list[tuple[str, str, Callable[[], Result | list[Result]]]] = [
         (
             c.name,
             c.group,
@@ -284,6 +285,13 @@ def main(
             (f"{n} batch {b} training step", "training", functools.partial(run_training, n, b, 5))
             for n, b in CASES
         ]
+    if dynamic and not quick and device == "cpu":
+        from . import dynamic as dyn
+
+        jobs += [
+            ("gpt2_small generate 64 tokens", "dynamic", functools.partial(dyn.run_generate, 5)),
+            ("bert_base over 8 lengths", "dynamic", functools.partial(dyn.run_lengths, 5)),
+        ]
     if memory and not quick:
         from .memory import CASES as MEM
 
@@ -296,8 +304,10 @@ def main(
     for name, group, job in jobs:
         print(f"... {name}", flush=True)
         t0 = time.perf_counter()
-        results.append(_guarded(name, group, job))
-        results[-1].wall_seconds = time.perf_counter() - t0
+        done = _guarded(name, group, job)
+        for r in done if isinstance(done, list) else [done]:
+            r.wall_seconds = time.perf_counter() - t0
+            results.append(r)
         if d is not None:  # partial results survive an interrupted run
             _write(d, results, time.perf_counter() - t_start, final=False, device=device)
     elapsed = time.perf_counter() - t_start
@@ -308,7 +318,9 @@ def main(
     return 1 if any(r.error for r in results) else 0
 
 
-def _guarded(name: str, group: str, job: Callable[[], Result]) -> Result:
+def _guarded(
+    name: str, group: str, job: Callable[[], Result | list[Result]]
+) -> Result | list[Result]:
     """One case's failure is a row of the table, not the end of the run."""
     try:
         return job()

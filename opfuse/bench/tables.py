@@ -27,6 +27,7 @@ class Result:
     error: str = ""
     wall_seconds: float = 0.0  # what the case took in all: compiles, checks, timing
     left_out: dict[str, str] = field(default_factory=dict)  # candidate -> why not timed
+    compiles: dict[str, int] = field(default_factory=dict)  # dynamic rows: graphs compiled
 
     def speedup(self, base: str) -> float | None:
         """base's time over opfuse's: the median of the per-round ratios."""
@@ -105,6 +106,7 @@ def markdown(results: list[Result], title: str) -> str:
             )
         out.append("")
         out += _engines_table(models)
+    out += _dynamic_table([r for r in results if r.group == "dynamic"])
     train = [r for r in results if r.group == "training"]
     if train:
         out += [
@@ -292,3 +294,39 @@ def plots(results: list[Result], out: Path) -> list[str]:
         plt.close(fig)
         made.append("bandwidth.png")
     return made
+
+
+def _dynamic_table(rows: list[Result]) -> list[str]:
+    """Models called with a new size every call (bench/dynamic.py)."""
+    if not rows:
+        return []
+    out = [
+        "| new size every call | eager ms | inductor ms | opfuse ms | opfuse static ms "
+        "| vs eager | vs inductor | vs opfuse static | graphs (opfuse, inductor) | opfuse compiles "
+        "| first call s (opfuse, inductor) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
+    ]
+    for r in rows:
+        if r.error:
+            out.append(f"| {r.case} | | | | | | | | | | **{r.error}** |")
+            continue
+        t, c = r.timings, r.compile_seconds
+        out.append(
+            f"| {r.case} | {_ms(t, 'eager')} | {_ms(t, 'inductor')} | {_ms(t, 'opfuse')} | "
+            f"{_ms(t, 'opfuse static')} | {_x(r.speedup('eager'))} | "
+            f"{_x(r.speedup('inductor'))} | "
+            f"{_x(r.speedup('opfuse static'))} | "
+            f"{r.compiles.get('opfuse', '')}, {r.compiles.get('inductor', '')} | "
+            f"{r.compiles.get('opfuse compiles', '')} | "
+            f"{c.get('opfuse first', 0):.1f}, {c.get('inductor first', 0):.1f} |"
+        )
+    out += [
+        "",
+        "graphs: graphs dynamo handed each backend over the whole row (none for a new size "
+        "once one with symbolic sizes is compiled); opfuse compiles: opfuse's compiles in "
+        "the row (whole graphs, static regions of symbolic ones, sizes compiled one by "
+        "one). vs opfuse static: "
+        "the time of opfuse compiled for that length alone over the one compile's.",
+        "",
+    ]
+    return out

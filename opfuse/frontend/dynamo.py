@@ -21,6 +21,7 @@ from ..report.tables import FusionReport
 from ..rewrite.fx_layout import channels_last_convolutions
 from .capture import capture_fx
 from .decompose import decompositions, keep_whole
+from .dynamic import has_symbols, install, split_static, static_share, symbols
 from .replay import Facts, learn, twice_differentiable
 
 log = logging.getLogger("opfuse")
@@ -34,6 +35,14 @@ _listeners = threading.local()
 # size would be a compile of its own without a bound.
 CACHE_LIMIT = 8
 
+_compiled = [0]  # graphs (and static regions of graphs) compiled in this process
+
+
+def compiles() -> int:
+    """How many graphs the backend compiled in this process: each whole graph, each static
+    region of a graph with symbolic sizes, each size of one compiled per size."""
+    return _compiled[0]
+
 
 class _GraphRunner:
     """Runs one AOT graph with opfuse, specialising on input shapes and strides (dynamo
@@ -46,13 +55,15 @@ class _GraphRunner:
         example_inputs: Sequence[Any],
         options: Options,
         cache_limit: int = CACHE_LIMIT,
+        fallback: Callable[[list[Any]], Any] | None = None,
     ) -> None:
         self.gm = gm
+        self.fallback = fallback
         self.options = options
         self.cache_limit = cache_limit
         self.cache: dict[tuple[Any, ...], tuple[CompiledGraph, list[int]] | None] = {}
         if all(_static(x) for x in example_inputs) and cache_limit > 0:
-            self._compile(example_inputs)
+            self._compile([_unit_strides(a) for a in example_inputs])
 
     def _key(self, args: Sequence[Any]) -> tuple[Any, ...]:
         return tuple(
@@ -63,6 +74,7 @@ class _GraphRunner:
         )
 
     def _compile(self, args: Sequence[Any]) -> tuple[CompiledGraph, list[int]] | None:
+        _compiled[0] += 1
         key = self._key(args)
         entry: tuple[CompiledGraph, list[int]] | None
         try:
@@ -82,23 +94,45 @@ class _GraphRunner:
         return entry
 
     def __call__(self, args: list[Any]) -> Any:
+        args = [_unit_strides(a) for a in args]
         key = self._key(args)
         if key in self.cache:
             entry = self.cache[key]
         elif len(self.cache) < self.cache_limit:
             entry = self._compile(args)
         else:
+            rest = (
+                "its static parts fused, the rest with torch"
+                if self.fallback is not None
+                else "with torch, unfused"
+            )
             warn_once(
                 f"opfuse: a graph was compiled for {self.cache_limit} input shapes "
-                "(cache_limit); it runs with torch, unfused, for new ones. Pad or bucket "
-                "the inputs to a few sizes, or raise the limit: torch.compile(..., "
-                "backend='opfuse', options={'cache_limit': n})"
+                f"(cache_limit); new ones run {rest}. Pad or bucket the inputs to a few "
+                "sizes, or raise the limit: torch.compile(..., backend='opfuse', "
+                "options={'cache_limit': n})"
             )
             entry = None
         if entry is None:
-            return self.gm(*args)
+            return self.fallback(args) if self.fallback is not None else self.gm(*args)
         compiled, positions = entry
         return compiled([args[k] for k in positions])
+
+
+def _unit_strides(t: Any) -> Any:
+    """t with the strides of its size-1 dims made what a dense layout would give them: they
+    never enter an address, and torch leaves them to chance (an attention output's
+    (1, 12, 1, 64) comes with stride 768 or 64 there), which must not make a new
+    signature."""
+    if not isinstance(t, torch.Tensor) or 1 not in t.shape:
+        return t
+    stride = list(t.stride())
+    inner = 1
+    for d in reversed(range(t.dim())):
+        if t.shape[d] == 1:
+            stride[d] = inner
+        inner = stride[d] * max(t.shape[d], 1)
+    return t if tuple(stride) == t.stride() else t.as_strided(t.shape, stride)
 
 
 def _static(x: Any) -> bool:
@@ -115,13 +149,65 @@ def _compiler(
 ) -> Callable[..., Any]:
     from torch._functorch.aot_autograd import make_boxed_func
 
-    runner = _GraphRunner(gm, example_inputs, options or Options(freeze=False), cache_limit)
-    args_clear = runner
+    opts = options or Options(freeze=False)
+    fallback = None
+    if has_symbols(gm, example_inputs):
+        generic = _Generic(gm, opts)
+        share = static_share(gm)
+        if share >= GENERIC_SHARE:
+            return make_boxed_func(lambda *a: generic(list(a)))
+        fallback = generic
+        _tell(
+            f"graph with symbolic sizes ({', '.join(symbols(gm)) or 'strides'}): "
+            f"{share:.0%} of its ops have static sizes, so each size compiles as a static "
+            f"graph, up to {cache_limit}; one compile of its static regions serves the "
+            "sizes past them"
+        )
+    runner = _GraphRunner(gm, example_inputs, opts, cache_limit, fallback)
+    return make_boxed_func(lambda *a: runner(list(a)))
 
-    def run(args: list[Any]) -> Any:
-        return args_clear(args)
 
-    return make_boxed_func(lambda *a: run(list(a)))
+# A graph with symbolic sizes compiles once, for every size, when at least this share of its
+# ops have static sizes (a decode step: all but attention over the cache); below it, fusing
+# the symbolic rest matters more, and each size compiles as a static graph of its own, up
+# to the cache limit (the generic compile then serves the sizes past it).
+GENERIC_SHARE = 0.5
+
+
+def _tell(note: str) -> None:
+    """Log a note on symbolic sizes and put it in the reports being collected."""
+    log.info("opfuse: %s", note)
+    for sink in getattr(_listeners, "sinks", []):
+        sink.append(FusionReport(dynamic=[note]))
+
+
+class _Generic:
+    """A graph with symbolic sizes compiled once: its static regions by opfuse, the rest
+    run with torch (frontend/dynamic.py). Split on the first call."""
+
+    def __init__(self, gm: torch.fx.GraphModule, options: Options) -> None:
+        self.gm, self.options = gm, options
+        self.run: Callable[..., Any] | None = None
+
+    def __call__(self, args: list[Any]) -> Any:
+        if self.run is None:
+            self.run = self._split()
+        return self.run(*args)
+
+    def _split(self) -> Callable[..., Any]:
+        split = split_static(self.gm)
+        ops = split.dynamic_ops
+        shown = ", ".join(ops[:8]) + (", ..." if len(ops) > 8 else "")
+        note = (
+            f"graph with symbolic sizes ({', '.join(split.symbols) or 'strides'}): "
+            f"{len(split.regions)} static regions compiled once for every size; "
+            f"{len(ops)} ops whose sizes depend on them run with torch"
+            + (f" ({shown})" if ops else "")
+        )
+        _tell(note)
+        options = self.options
+        install(split, lambda name, sub, examples: _GraphRunner(sub, examples, options, 1))
+        return split.module.forward
 
 
 def _forward_compiler(

@@ -73,6 +73,8 @@ class FusionReport:
     constants: list[str] = field(default_factory=list)
     pools: list[str] = field(default_factory=list)  # pools computed as window reductions
     passes: dict[str, float] = field(default_factory=dict)  # seconds per pass and stage
+    # graphs with symbolic sizes: what was compiled once for every size, what runs with torch
+    dynamic: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -116,6 +118,7 @@ class FusionReport:
                 k: self.passes.get(k, 0.0) + other.passes.get(k, 0.0)
                 for k in {**self.passes, **other.passes}
             },
+            self.dynamic + other.dynamic,
         )
 
     def patterns(self) -> dict[str, int]:
@@ -163,9 +166,11 @@ def format_table(r: FusionReport, width: int = 100) -> str:
 
 
 def notes(r: FusionReport) -> list[tuple[str, str]]:
-    """(label, text) lines under the table: folds, refusals, attention, random draws,
-    pools, compile-time constants, layout, backend. Shared by the plain and the CLI's table."""
-    out = [("fold", f"{f.batchnorm} -> {f.conv}") for f in r.folds]
+    """(label, text) lines under the table: symbolic sizes, folds, refusals, attention,
+    random draws, pools, compile-time constants, layout, backend. Shared by the plain and
+    the CLI's table."""
+    out = [("dynamic", d) for d in r.dynamic]
+    out += [("fold", f"{f.batchnorm} -> {f.conv}") for f in r.folds]
     out += [("not fused", text) for text in _refusals(r.rejected)]
     out += [("attention", a) for a in r.attention]
     out += [("", a) for a in r.random]

@@ -49,6 +49,7 @@ def bench(args: argparse.Namespace) -> int:
         device=args.device,
         keep_heap=args.keep_heap,
         engines=not args.no_engines,
+        dynamic=not args.no_dynamic,
     )
 
 
@@ -78,6 +79,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     b.add_argument("--only", help="run the cases whose name contains this (or a group)")
     b.add_argument("--no-training", action="store_true", help="skip the training steps")
     b.add_argument("--no-memory", action="store_true", help="skip the peak-memory runs")
+    b.add_argument(
+        "--no-dynamic",
+        action="store_true",
+        help="skip the rows that call a model with a new size every call (generation, "
+        "sequence lengths)",
+    )
     b.add_argument(
         "--no-engines",
         action="store_true",

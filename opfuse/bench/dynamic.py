@@ -1,0 +1,123 @@
+"""The bench's "dynamic" rows: models called with a new size every call, compiled once.
+
+- GPT-2 generation: a prompt, then one token at a time on a growing key/value cache. Dynamo
+  hands each compiler a graph per prompt, per first step and then one with the cache length
+  symbolic; the row counts the graphs each compiler compiled, the first generation's time
+  (compiles included) and the warm generation's.
+- An encoder over several sequence lengths: compiled once with `dynamic=True`, each length
+  timed against eager and against opfuse compiled for that length alone (static).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..frontend.dynamo import compiles
+from . import models
+from .tables import Result
+from .timing import time_interleaved
+
+LENGTHS = (16, 32, 64, 96, 128, 192, 256, 512)
+
+
+class _Counter:
+    """Counts the graphs a torch.compile backend is handed (each one compile)."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend, self.graphs = backend, 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        self.graphs += 1
+        return self.backend(gm, example_inputs)
+
+
+def _backend(name: str) -> Any:
+    if name == "opfuse":
+        from ..frontend.dynamo import opfuse_backend
+
+        return opfuse_backend
+    from torch._dynamo.backends.registry import lookup_backend
+
+    return lookup_backend("inductor")
+
+
+def run_generate(reps: int, new_tokens: int = 64, prompt_len: int = 16, layers: int = 12) -> Result:
+    """GPT-2-small greedy generation of `new_tokens` from a `prompt_len`-token prompt."""
+    res = Result(f"gpt2_small generate {new_tokens} tokens", "dynamic")
+    torch.manual_seed(0)
+    model = models.realistic(models.GPT2Decoder(layers=layers))
+    prompt = torch.randint(0, 50257, (1, prompt_len), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = models.generate(model, prompt, new_tokens)
+        runs: dict[str, Callable[[], Any]] = {
+            "eager": lambda: models.generate(model, prompt, new_tokens)
+        }
+        for name, dynamic in (("inductor", True), ("opfuse", None)):
+            torch._dynamo.reset()
+            counter = _Counter(_backend(name))
+            step = torch.compile(model, backend=counter, dynamic=dynamic)
+            before = compiles()
+            t0 = time.perf_counter()
+            got = models.generate(step, prompt, new_tokens)
+            res.compile_seconds[f"{name} first"] = time.perf_counter() - t0
+            res.compiles[name] = counter.graphs
+            if name == "opfuse":
+                res.compiles["opfuse compiles"] = compiles() - before
+            if not torch.equal(got, expected):
+                res.error = f"{name}: generated tokens differ from eager's"
+                return res
+            runs[name] = functools.partial(models.generate, step, prompt, new_tokens)
+        res.timings = time_interleaved(runs, reps=reps, warmup=1)
+    torch._dynamo.reset()
+    return res
+
+
+def run_lengths(reps: int, lengths: tuple[int, ...] = LENGTHS, layers: int = 12) -> list[Result]:
+    """BERT-base over `lengths`: one dynamic compile against a static compile per length."""
+    import opfuse
+
+    torch.manual_seed(0)
+    model = models.realistic(models.BertEncoder(layers=layers))
+
+    def inputs(s: int) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(s)
+        return (torch.randint(0, 30522, (1, s), generator=g), torch.ones(1, s, dtype=torch.long))
+
+    torch._dynamo.reset()
+    counter = _Counter(_backend("opfuse"))
+    dyn = torch.compile(model, backend=counter, dynamic=True)
+    before = compiles()
+    out: list[Result] = []
+    for s in lengths:
+        res = Result(f"bert_base length {s}", "dynamic")
+        x = inputs(s)
+        with torch.no_grad():
+            expected = model(*x)
+            t0 = time.perf_counter()
+            got = dyn(*x)
+            res.compile_seconds["opfuse first"] = time.perf_counter() - t0
+            res.compiles["opfuse"] = counter.graphs
+            res.compiles["opfuse compiles"] = compiles() - before
+            static = opfuse.compile(model, x)
+        if not torch.allclose(got, expected, rtol=1e-3, atol=1e-3):
+            res.error = f"length {s}: dynamic compile differs from eager"
+            out.append(res)
+            continue
+        res.timings = time_interleaved(
+            {
+                "eager": functools.partial(model, *x),
+                "opfuse": functools.partial(dyn, *x),
+                "opfuse static": functools.partial(static, *x),
+            },
+            reps=reps,
+            warmup=1,
+            settle=1,
+        )
+        out.append(res)
+    torch._dynamo.reset()
+    return out

@@ -1,0 +1,172 @@
+"""Graphs with symbolic sizes (frontend/dynamic.py): compiled once for every size where most
+of the work has static sizes, per size (up to the cache limit) where it does not."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.aot_autograd import make_boxed_func
+
+from opfuse import pipeline
+from opfuse.bench import models
+from opfuse.frontend import dynamic, dynamo
+from opfuse.report.tables import FusionReport, notes
+
+
+def _decoder() -> nn.Module:
+    torch.manual_seed(0)
+    return models.realistic(models.GPT2Decoder(layers=2, dim=96, vocab=211))
+
+
+def test_generation_compiles_three_graphs_then_none(caplog: pytest.LogCaptureFixture) -> None:
+    """A prompt, the first step on the cache, then the cache length symbolic: no compile
+    for any later length, and every step's logits match eager's."""
+    model = _decoder()
+    torch._dynamo.reset()
+    graphs: list[int] = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(1)
+        return dynamo.opfuse_backend(gm, example_inputs)
+
+    step = torch.compile(model, backend=counting)
+    prompt = torch.randint(0, 211, (1, 7), generator=torch.Generator().manual_seed(1))
+    counts = []
+    with torch.no_grad(), caplog.at_level(logging.INFO, logger="opfuse"):
+        want, got = model(prompt), step(prompt)
+        for _ in range(12):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            nxt = want[0][:, -1].argmax(-1, keepdim=True)  # eager's token for both
+            want, got = model(nxt, *want[1:]), step(nxt, *got[1:])
+            counts.append(dynamo.compiles())
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert len(graphs) == 3
+    assert counts[2] == counts[-1]  # the symbolic graph compiled at step 3, then nothing
+    assert any(
+        "symbolic sizes" in r.message and "static regions" in r.message for r in caplog.records
+    )
+    torch._dynamo.reset()
+
+
+class _Mixed(nn.Module):
+    """Static work on the parameters and a static side input, a symbolic batch in the
+    middle: the regions take a value computed from the symbolic input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(16, 16) * 0.3)
+        self.b = nn.Parameter(torch.randn(16) * 0.1)
+        self.norm = nn.LayerNorm(16)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = torch.softmax(self.norm(y @ self.w + self.b).relu() * 2, -1)  # [4, 16] static
+        s = x.sum(0)  # [16] from a symbolic [n, 16]
+        c = torch.tanh(a * s + a.mean(0)).exp() - 1  # static again
+        return c, x * c.sum(0)
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.lists(st.integers(2, 40), min_size=3, max_size=6, unique=True))
+def test_symbolic_batch_matches_eager_and_compiles_once(sizes: list[int]) -> None:
+    """Dynamo's automatic dynamic: the first size compiles a static graph, the second one
+    with the batch symbolic (`dynamic=True` would make y's sizes symbolic too), then no
+    size compiles anything."""
+    torch.manual_seed(0)
+    model = _Mixed().eval()
+    y = torch.randn(4, 16)
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="opfuse")
+    seen = []
+    with torch.no_grad():
+        for n in sizes:
+            x = torch.randn(n, 16)
+            got, want = f(x, y), model(x, y)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            seen.append(dynamo.compiles())
+    assert seen[1] == seen[-1]  # the symbolic graph's one compile served every later size
+    torch._dynamo.reset()
+
+
+def test_training_with_a_symbolic_batch_matches_eager_gradients() -> None:
+    torch.manual_seed(0)
+    model = _Mixed()
+    ref = _Mixed()
+    ref.load_state_dict(model.state_dict())
+    y = torch.randn(4, 16)
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="opfuse")
+    for n in (3, 9, 17):
+        x = torch.randn(n, 16, requires_grad=True)
+        x2 = x.detach().clone().requires_grad_()
+        sum(o.square().sum() for o in f(x, y)).backward()
+        sum(o.square().sum() for o in ref(x2, y)).backward()
+        torch.testing.assert_close(x.grad, x2.grad, rtol=1e-4, atol=1e-5)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5)
+    torch._dynamo.reset()
+
+
+def test_split_cuts_static_regions_and_leaves_the_graph_alone() -> None:
+    model = _Mixed().eval()
+    graphs: list[tuple[torch.fx.GraphModule, Any]] = []
+
+    def keep(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append((gm, example_inputs))
+        return make_boxed_func(gm.forward)
+
+    torch._dynamo.reset()
+    f = torch.compile(model, backend=aot_autograd(fw_compiler=keep))
+    with torch.no_grad():
+        f(torch.randn(5, 16), torch.randn(4, 16))
+        f(torch.randn(6, 16), torch.randn(4, 16))  # the batch becomes symbolic
+    gm, examples = graphs[1]
+    assert dynamic.has_symbols(gm, examples)
+    before = [n.format_node() for n in gm.graph.nodes]
+    split = dynamic.split_static(gm)
+    assert [n.format_node() for n in gm.graph.nodes] == before
+    assert split.regions and split.symbols
+    assert dynamic.static_share(gm) >= dynamo.GENERIC_SHARE
+    for sub, ex in split.regions.values():
+        assert not any(dynamic.symbolic(v) for v in ex)
+        assert not any(
+            dynamic.symbolic(n.meta.get("val")) for n in sub.graph.nodes if n.op != "output"
+        )
+    # the ops that read the symbolic input stay with torch
+    assert any("sum" in op for op in split.dynamic_ops)
+    torch._dynamo.reset()
+
+
+def test_mostly_symbolic_graphs_compile_per_size_then_run_generically() -> None:
+    """A graph whose work is all symbolic: each size compiles as before, up to the cache
+    limit; past it the generic compile (here: nothing static, all torch) serves."""
+    pipeline._warned.clear()
+    torch._dynamo.reset()
+    fn = lambda x: (x * 2).relu().sum(-1)
+    before = dynamo.compiles()
+    f = torch.compile(fn, backend="opfuse", dynamic=True, options={"cache_limit": 2})
+    with pytest.warns(RuntimeWarning, match="compiled for 2 input shapes.*static parts fused"):
+        for n in range(2, 7):
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(f(x), fn(x))
+    assert dynamo.compiles() - before == 2
+    torch._dynamo.reset()
+
+
+def test_size_one_strides_make_no_new_signature() -> None:
+    t = torch.randn(1, 12, 1, 64).as_strided((1, 12, 1, 64), (768, 64, 768, 1))
+    u = dynamo._unit_strides(t)
+    assert u.stride() == (768, 64, 64, 1) and torch.equal(u, t)
+    assert dynamo._unit_strides(torch.randn(3, 4)).stride() == (4, 1)
+
+
+def test_the_report_says_what_was_symbolic() -> None:
+    r = FusionReport(dynamic=["graph with symbolic sizes (s0): 2 static regions"])
+    merged = FusionReport().merge(r)
+    assert ("dynamic", "graph with symbolic sizes (s0): 2 static regions") in notes(merged)
