@@ -58,8 +58,8 @@ def symbolic(value: Any) -> bool:
     return isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
-def has_symbols(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> bool:
-    """Is this a graph with symbolic sizes (from its example inputs)?"""
+def has_symbols(example_inputs: Sequence[Any]) -> bool:
+    """Do a graph's example inputs hold symbolic sizes (or symbolic numbers)?"""
     return any(symbolic(x) for x in example_inputs)
 
 

@@ -62,7 +62,7 @@ class _GraphRunner:
         self.options = options
         self.cache_limit = cache_limit
         self.cache: dict[tuple[Any, ...], tuple[CompiledGraph, list[int]] | None] = {}
-        if all(_static(x) for x in example_inputs) and cache_limit > 0:
+        if not has_symbols(example_inputs) and cache_limit > 0:
             self._compile([_unit_strides(a) for a in example_inputs])
 
     def _key(self, args: Sequence[Any]) -> tuple[Any, ...]:
@@ -135,12 +135,6 @@ def _unit_strides(t: Any) -> Any:
     return t if tuple(stride) == t.stride() else t.as_strided(t.shape, stride)
 
 
-def _static(x: Any) -> bool:
-    if isinstance(x, torch.Tensor):
-        return all(isinstance(s, int) for s in (*x.shape, *x.stride()))
-    return not isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool))
-
-
 def _compiler(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -151,7 +145,7 @@ def _compiler(
 
     opts = options or Options(freeze=False)
     fallback = None
-    if has_symbols(gm, example_inputs):
+    if has_symbols(example_inputs):
         generic = _Generic(gm, opts)
         share = static_share(gm)
         if share >= GENERIC_SHARE:
