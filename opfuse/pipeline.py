@@ -22,18 +22,20 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .autotune import tune
-from .backends.c.module import build_module
+from .backends.base import Module
+from .backends.c.module import build_modules
 from .backends.triton.build import build_module as build_triton
 from .context import Context
 from .fusion.classify import classify
-from .fusion.groups import check_partition
+from .fusion.groups import Partition, check_partition
 from .fusion.partition import Fuel, partition
 from .ir.graph import Graph
-from .lower.groups import lower_groups
+from .lower.groups import Lowered, lower_groups
 from .lower.lowering import why_not_lowered
 from .options import Options
 from .report.make import make_report
@@ -72,11 +74,54 @@ def compile_graph(
     graph: Graph, options: Options | None = None, eager_kernels: int | None = None
 ) -> CompiledGraph:
     """Everything after capture: rewrite, fuse, lower, render, build, tune, plan."""
+    return compile_graphs([graph], options, [eager_kernels])[0]
+
+
+@dataclass
+class _Front:
+    """A graph rewritten, partitioned and lowered: what the build needs."""
+
+    graph: Graph
+    ctx: Context
+    part: Partition
+    lowered: Lowered
+    backend: str
+    why: str
+    seconds: float  # spent so far
+
+
+def compile_graphs(
+    graphs: Sequence[Graph],
+    options: Options | None = None,
+    eager_kernels: Sequence[int | None] | None = None,
+) -> list[CompiledGraph]:
+    """Compile several graphs at once: each is fused and planned on its own, their C
+    kernels are built as one library (the static regions of a graph with symbolic sizes:
+    one compiler run, the kernels their layers repeat built once)."""
     opts = options or Options()
+    fronts = [_front(g, opts) for g in graphs]
+    c = [f for f in fronts if f.backend != "triton"]
+    t0 = time.perf_counter()
+    built = dict(zip(map(id, c), build_modules([(f.graph, f.lowered) for f in c])))
+    shared = (time.perf_counter() - t0) / max(len(c), 1)  # each graph's share of the build
+    out = []
+    for f, kernels in zip(fronts, eager_kernels or [None] * len(fronts)):
+        t1 = time.perf_counter()
+        if f.backend == "triton":
+            with f.ctx.timed("render and build"):
+                module = build_triton(f.graph, f.lowered)
+        else:
+            module = built[id(f)]
+            f.ctx.seconds["render and build"] = shared
+            f.seconds += shared
+        out.append(_back(f, module, kernels, t1))
+    return out
+
+
+def _front(graph: Graph, opts: Options) -> _Front:
     t0 = time.perf_counter()
     chosen, why = backend(graph, opts)
-    triton = chosen == "triton"
-    ctx = Context(opts, ("cpu", "cuda") if triton else ("cpu",))
+    ctx = Context(opts, ("cpu", "cuda") if chosen == "triton" else ("cpu",))
     graph = rewrite(graph, ctx)
     with ctx.timed("partition"):
         kinds = classify(graph, ctx.devices)
@@ -84,8 +129,12 @@ def compile_graph(
         check_partition(graph, part)
     with ctx.timed("lower"):
         lowered = lower_groups(graph, part)
-    with ctx.timed("render and build"):
-        module = build_triton(graph, lowered) if triton else build_module(graph, lowered)
+    return _Front(graph, ctx, part, lowered, chosen, why, time.perf_counter() - t0)
+
+
+def _back(f: _Front, module: Module, eager_kernels: int | None, t0: float) -> CompiledGraph:
+    """Tune and plan a built graph; report what was done."""
+    graph, ctx, part, opts = f.graph, f.ctx, f.part, f.ctx.options
     if module.problem:
         warn_once(module.problem.splitlines()[0])
     with ctx.timed("tune"):
@@ -93,14 +142,15 @@ def compile_graph(
     with ctx.timed("plan"):
         plan = build_plan(graph, part, built)
     report = make_report(
-        graph, part, lowered, built, decisions, eager_kernels, module.source, copied(graph, plan)
+        graph, part, f.lowered, built, decisions, eager_kernels, module.source, copied(graph, plan)
     )
     _from_context(report, ctx)
-    report.backend = f"{chosen} ({why})"
-    report.compile_seconds = time.perf_counter() - t0
+    report.backend = f"{f.backend} ({f.why})"
+    report.compile_seconds = f.seconds + time.perf_counter() - t0
     report.cached = module.cached
     if module.problem:
         report.warnings.append(module.problem)
+    triton = f.backend == "triton"
     if opts.debug_dir:
         dump(ctx, module.source, report, triton)
     compiled = CompiledGraph(graph, Runtime(plan), report, module.source)

@@ -39,6 +39,7 @@ def test_generation_compiles_three_graphs_then_none(caplog: pytest.LogCaptureFix
     step = torch.compile(model, backend=counting)
     prompt = torch.randint(0, 211, (1, 7), generator=torch.Generator().manual_seed(1))
     counts = []
+    before = dynamo.compiles()
     with torch.no_grad(), caplog.at_level(logging.INFO, logger="opfuse"):
         want, got = model(prompt), step(prompt)
         for _ in range(12):
@@ -48,7 +49,8 @@ def test_generation_compiles_three_graphs_then_none(caplog: pytest.LogCaptureFix
             counts.append(dynamo.compiles())
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert len(graphs) == 3
-    assert counts[2] == counts[-1]  # the symbolic graph compiled at step 3, then nothing
+    # the symbolic graph compiled at step 3 (its static regions together), then nothing
+    assert counts[2] == counts[-1] == before + 3
     assert any(
         "symbolic sizes" in r.message and "static regions" in r.message for r in caplog.records
     )
@@ -92,6 +94,72 @@ def test_symbolic_batch_matches_eager_and_compiles_once(sizes: list[int]) -> Non
             seen.append(dynamo.compiles())
     assert seen[1] == seen[-1]  # the symbolic graph's one compile served every later size
     torch._dynamo.reset()
+
+
+class _Chain(_Mixed):
+    """Two static regions, the second waiting on a symbolic value computed from the first."""
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        c, d = super().forward(x, y)
+        return torch.tanh(c * d.sum(0)).sigmoid() + self.b, d
+
+
+def _symbolic_calls(model: nn.Module, sizes: tuple[int, ...]) -> list[int]:
+    """Run `model` compiled by opfuse on batches of `sizes` (the second one makes the batch
+    symbolic), checking each against eager; the compile count after each call."""
+    y = torch.randn(4, 16)
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="opfuse")
+    seen = []
+    with torch.no_grad():
+        for n in sizes:
+            x = torch.randn(n, 16)
+            torch.testing.assert_close(f(x, y), model(x, y), rtol=1e-5, atol=1e-5)
+            seen.append(dynamo.compiles())
+    torch._dynamo.reset()
+    return seen
+
+
+def test_static_regions_build_as_one_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The symbolic graph's regions (before and after the symbolic reduction) are one
+    compile: one compiler run for both, one count."""
+    from opfuse.backends.c import module
+
+    torch.manual_seed(0)
+    model = _Chain().eval()
+    builds: list[int] = []
+    real = module.build
+
+    def counting(pieces: Any, header: str = "") -> Any:
+        builds.append(len(pieces))
+        return real(pieces, header)
+
+    monkeypatch.setattr(module, "build", counting)
+    splits: list[dynamic.Split] = []
+    real_split = dynamo.split_static
+
+    def split(gm: torch.fx.GraphModule) -> dynamic.Split:
+        splits.append(real_split(gm))
+        return splits[-1]
+
+    monkeypatch.setattr(dynamo, "split_static", split)
+    seen = _symbolic_calls(model, (5, 7))
+    assert seen[1] - seen[0] == 1
+    assert [len(s.regions) for s in splits] == [2]
+    assert len(builds) == 2  # the static graph of the first size, the regions together
+
+
+def test_regions_compile_alone_when_the_joint_compile_fails(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("test: joint compile fails")
+
+    torch.manual_seed(0)
+    monkeypatch.setattr(dynamo, "compile_graphs", broken)
+    seen = _symbolic_calls(_Chain().eval(), (5, 7, 11))
+    assert seen[2] - seen[1] == 0
+    assert seen[1] - seen[0] == 3  # the attempt, then each of the two regions alone
 
 
 def test_training_with_a_symbolic_batch_matches_eager_gradients() -> None:

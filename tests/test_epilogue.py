@@ -337,20 +337,21 @@ def test_group_whose_every_candidate_is_refused_runs_with_torch(
     import opfuse.pipeline as pipeline
     from opfuse.backends.c.module import Unavailable
 
-    real = pipeline.build_module
+    real = pipeline.build_modules
 
-    def refusing(graph: Any, lowered: Any) -> Any:
-        mod = real(graph, lowered)
+    def refusing(parts: Any) -> Any:
+        mods = real(parts)
 
         def refuse() -> None:
             raise Unavailable("test: the library refuses")
 
-        for makers in mod.candidates.values():
-            for name in makers:
-                makers[name] = refuse
-        return mod
+        for mod in mods:
+            for makers in mod.candidates.values():
+                for name in makers:
+                    makers[name] = refuse
+        return mods
 
-    monkeypatch.setattr(pipeline, "build_module", refusing)
+    monkeypatch.setattr(pipeline, "build_modules", refusing)
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(16, 24), nn.GELU(), nn.Linear(24, 8)).eval()
     x = torch.randn(4, 16)

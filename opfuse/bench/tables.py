@@ -324,8 +324,8 @@ def _dynamic_table(rows: list[Result]) -> list[str]:
         "",
         "graphs: graphs dynamo handed each backend over the whole row (none for a new size "
         "once one with symbolic sizes is compiled); opfuse compiles: opfuse's compiles in "
-        "the row (whole graphs, static regions of symbolic ones, sizes compiled one by "
-        "one). vs opfuse static: "
+        "the row (a static graph, the static regions of a symbolic one together, each "
+        "size of one compiled per size). vs opfuse static: "
         "the time of opfuse compiled for that length alone over the one compile's.",
         "",
     ]

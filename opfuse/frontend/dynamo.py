@@ -15,7 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..options import Options
-from ..pipeline import CompiledGraph, compile_graph, warn_once
+from ..pipeline import CompiledGraph, compile_graph, compile_graphs, warn_once
 from ..report.make import count_kernels
 from ..report.tables import FusionReport
 from ..rewrite.fx_layout import channels_last_convolutions
@@ -35,12 +35,13 @@ _listeners = threading.local()
 # size would be a compile of its own without a bound.
 CACHE_LIMIT = 8
 
-_compiled = [0]  # graphs (and static regions of graphs) compiled in this process
+_compiled = [0]  # graphs compiled in this process
 
 
 def compiles() -> int:
-    """How many graphs the backend compiled in this process: each whole graph, each static
-    region of a graph with symbolic sizes, each size of one compiled per size."""
+    """How many compiles the backend ran in this process: one per graph with static sizes,
+    one for all static regions of a graph with symbolic sizes, one per size of a graph
+    compiled per size."""
     return _compiled[0]
 
 
@@ -56,13 +57,14 @@ class _GraphRunner:
         options: Options,
         cache_limit: int = CACHE_LIMIT,
         fallback: Callable[[list[Any]], Any] | None = None,
+        compile_now: bool = True,
     ) -> None:
         self.gm = gm
         self.fallback = fallback
         self.options = options
         self.cache_limit = cache_limit
         self.cache: dict[tuple[Any, ...], tuple[CompiledGraph, list[int]] | None] = {}
-        if not has_symbols(example_inputs) and cache_limit > 0:
+        if compile_now and not has_symbols(example_inputs) and cache_limit > 0:
             self._compile([_unit_strides(a) for a in example_inputs])
 
     def _key(self, args: Sequence[Any]) -> tuple[Any, ...]:
@@ -75,7 +77,6 @@ class _GraphRunner:
 
     def _compile(self, args: Sequence[Any]) -> tuple[CompiledGraph, list[int]] | None:
         _compiled[0] += 1
-        key = self._key(args)
         entry: tuple[CompiledGraph, list[int]] | None
         try:
             # AOTAutograd may call the compiler with its fake-tensor mode still active:
@@ -87,11 +88,15 @@ class _GraphRunner:
         except Exception as e:  # never crash a model eager runs: run this graph with torch
             warn_once(f"opfuse: graph falls back to torch ({type(e).__name__}: {e})")
             entry = None
-        self.cache[key] = entry
+        self.keep(args, entry)
+        return entry
+
+    def keep(self, args: Sequence[Any], entry: tuple[CompiledGraph, list[int]] | None) -> None:
+        """Serve calls with `args`' signature by `entry` (None: with torch)."""
+        self.cache[self._key(args)] = entry
         if entry is not None:
             for sink in getattr(_listeners, "sinks", []):
                 sink.append(entry[0].report)
-        return entry
 
     def __call__(self, args: list[Any]) -> Any:
         args = [_unit_strides(a) for a in args]
@@ -170,7 +175,7 @@ GENERIC_SHARE = 0.5
 
 def _tell(note: str) -> None:
     """Log a note on symbolic sizes and put it in the reports being collected."""
-    log.info("opfuse: %s", note)
+    log.info("%s", note)
     for sink in getattr(_listeners, "sinks", []):
         sink.append(FusionReport(dynamic=[note]))
 
@@ -199,9 +204,46 @@ class _Generic:
             + (f" ({shown})" if ops else "")
         )
         _tell(note)
-        options = self.options
-        install(split, lambda name, sub, examples: _GraphRunner(sub, examples, options, 1))
+        runners = _compile_regions(split.regions, self.options)
+        install(split, lambda name, sub, examples: runners[name])
         return split.module.forward
+
+
+def _compile_regions(
+    regions: dict[str, tuple[torch.fx.GraphModule, list[Any]]], options: Options
+) -> dict[str, _GraphRunner]:
+    """The static regions of one graph compiled together: one compile, their kernels one
+    library. A region that does not capture runs with torch; if the joint compile fails,
+    each region compiles alone (and falls back to torch alone)."""
+    runners = {
+        name: _GraphRunner(sub, ex, options, 1, compile_now=False)
+        for name, (sub, ex) in regions.items()
+    }
+    if not runners:
+        return runners
+    _compiled[0] += 1
+    captured: dict[str, tuple[list[Any], Any, list[int]]] = {}
+    with unset_fake_temporarily():
+        for name, (sub, examples) in regions.items():
+            args = [_unit_strides(a) for a in examples]
+            try:
+                graph, positions = capture_fx(sub, args)
+            except Exception as e:
+                warn_once(f"opfuse: a static region falls back to torch ({type(e).__name__}: {e})")
+                runners[name].keep(args, None)
+                continue
+            captured[name] = (args, graph, positions)
+        graphs = [g for _, g, _ in captured.values()]
+        try:
+            compiled = compile_graphs(graphs, options, [count_kernels(g) for g in graphs])
+        except Exception as e:
+            log.debug("joint compile failed (%s: %s): regions compile alone", type(e).__name__, e)
+            for name, (args, _, _) in captured.items():
+                runners[name]._compile(args)
+            return runners
+    for (name, (args, _, positions)), c in zip(captured.items(), compiled):
+        runners[name].keep(args, (c, positions))
+    return runners
 
 
 def _forward_compiler(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -26,70 +26,112 @@ from ...rewrite.layout import has_format, is_channels_last
 from ...runtime.finite import FiniteGuard, gain, largest
 from ...runtime.plan import Built, BuiltCall, BuiltGemm, BuiltKernel
 from ..base import Make, Module, Unavailable
-from .build import BuildError, build
+from .build import BuildError, Library, build
 from .gemm import GEMM_TYPES, blas, can_pack, pack_layout, pack_weight, render_gemm
 from .render import render_module
 
 
 def build_module(graph: Graph, lowered: Lowered) -> Module:
-    names: dict[tuple[int, str], str] = {}
-    kernels: list[tuple[str, Kernel]] = []
-    gemms: list[tuple[str, GemmKernel, list[int] | None]] = []
-    layouts: dict[tuple[int, str], tuple[list[int], int]] = {}  # packed GEMM weights
+    return build_modules([(graph, lowered)])[0]
+
+
+@dataclasses.dataclass
+class _Named:
+    """One graph's candidates by kernel name: what build_modules renders and binds."""
+
+    names: dict[tuple[int, str], str] = dataclasses.field(default_factory=dict)
+    kernels: list[tuple[str, Kernel]] = dataclasses.field(default_factory=list)
+    gemms: list[tuple[str, GemmKernel, list[int] | None]] = dataclasses.field(default_factory=list)
+    layouts: dict[tuple[int, str], tuple[list[int], int]] = dataclasses.field(
+        default_factory=dict
+    )  # packed GEMM weights
+
+
+def _name(lowered: Lowered, tag: str) -> _Named:
+    out = _Named()
     for gid, cands in lowered.candidates.items():
         for cname, c in cands.items():
             if isinstance(c, Kernel):
                 name = f"{c.name}_{gid}" if cname == "kernel" else f"{c.name}_{cname}_{gid}"
-                names[(gid, cname)] = name
-                kernels.append((name, c))
+                out.names[(gid, cname)] = tag + name
+                out.kernels.append((tag + name, c))
             elif isinstance(c, GemmKernel):
                 offsets = None
                 if c.spec.packable and can_pack():
                     offsets, total = pack_layout(c)
-                    layouts[(gid, cname)] = (offsets, total)
-                name = f"{c.name}_{cname}_{gid}"
-                names[(gid, cname)] = name
-                gemms.append((name, c, offsets))
+                    out.layouts[(gid, cname)] = (offsets, total)
+                name = f"{tag}{c.name}_{cname}_{gid}"
+                out.names[(gid, cname)] = name
+                out.gemms.append((name, c, offsets))
         for cname, c in cands.items():  # the same epilogue kernel as "unfused"
-            if isinstance(c, PackedThenKernel) and (gid, "unfused") in names:
-                names[(gid, cname)] = names[(gid, "unfused")]
-    rendered = {name: render_module([(name, k)]) for name, k in kernels}
-    for n, k, o in gemms:
-        rendered[n] = render_gemm(n, k, o)
+            if isinstance(c, PackedThenKernel) and (gid, "unfused") in out.names:
+                out.names[(gid, cname)] = out.names[(gid, "unfused")]
+    return out
+
+
+def build_modules(parts: Sequence[tuple[Graph, Lowered]]) -> list[Module]:
+    """The kernels of several graphs built as one library (one compiler run): the static
+    regions of a graph with symbolic sizes compile together. A Module per graph."""
+    named = [_name(lowered, f"g{i}_" if i else "") for i, (_, lowered) in enumerate(parts)]
+    rendered: dict[str, str] = {}
+    for nm in named:
+        rendered.update({name: render_module([(name, k)]) for name, k in nm.kernels})
+        rendered.update({n: render_gemm(n, k, o) for n, k, o in nm.gemms})
     # The layers of a deep model repeat the same kernels: compile each distinct one once
     # (gcc time grows with the translation unit), and let equal candidates share it.
     # A kernel's text without its own name is also its name-free signature (below).
     canonical = {name: text.replace(name, "KERNEL") for name, text in rendered.items()}
     first: dict[str, str] = {}  # canonical text -> the name that defines it
     alias = {name: first.setdefault(text, name) for name, text in canonical.items()}
-    names = {key: alias[n] for key, n in names.items()}
     pieces = [rendered[n] for n in first.values()]
-    header = GEMM_TYPES if gemms else ""
-    mod = Module(header + "\n".join(pieces))
-    for gid, cands in lowered.candidates.items():
-        sig = []
-        for cname, c in sorted(cands.items()):
-            kname = names.get((gid, cname))
-            text = canonical[kname] if kname else _describe(c)
-            sig.append(f"{cname}:{text}")
-        mod.signatures[gid] = sig
+    header = GEMM_TYPES if any(nm.gemms for nm in named) else ""
     lib = None
+    cached, problem = True, ""
     missing: set[str] = set()  # kernels the compiler rejected: their groups run with torch
-    if kernels or gemms:
+    if pieces:
         try:
             lib = build(pieces, header)
-            mod.cached = lib.cached
+            cached = lib.cached
         except BuildError as e:
-            mod.problem = f"opfuse: kernels could not be built, running those ops with torch ({e})"
+            problem = f"opfuse: kernels could not be built, running those ops with torch ({e})"
         if lib is not None and lib.rejected:
             defined = list(first.values())
             missing = {defined[i] for i in lib.rejected}
-            mod.problem = (
+            problem = (
                 f"opfuse: {len(missing)} of {len(defined)} kernels could not be built "
                 f"({', '.join(sorted(missing))}), running those ops with torch ({lib.problem})"
             )
             if lib.handle is None:
                 lib = None
+    modules = []
+    for (graph, lowered), nm in zip(parts, named):
+        names = {key: alias[n] for key, n in nm.names.items()}
+        used = set(names.values())
+        mine = [rendered[n] for n in first.values() if n in used]
+        mod = Module(header + "\n".join(mine), cached=cached)
+        mod.problem = problem
+        for gid, cands in lowered.candidates.items():
+            sig = []
+            for cname, c in sorted(cands.items()):
+                kname = names.get((gid, cname))
+                text = canonical[kname] if kname else _describe(c)
+                sig.append(f"{cname}:{text}")
+            mod.signatures[gid] = sig
+        _bind(mod, graph, lowered, names, nm.layouts, lib, missing)
+        modules.append(mod)
+    return modules
+
+
+def _bind(
+    mod: Module,
+    graph: Graph,
+    lowered: Lowered,
+    names: dict[tuple[int, str], str],
+    layouts: dict[tuple[int, str], tuple[list[int], int]],
+    lib: Library | None,
+    missing: set[str],
+) -> None:
+    """How to make each candidate of each group, from the built library."""
     b = blas()
     for gid, cands in lowered.candidates.items():
         makers: dict[str, Make] = {}
@@ -113,7 +155,6 @@ def build_module(graph: Graph, lowered: Lowered) -> Module:
                     _make_gemm, graph, c, lib.fn(name), layout, fn_addr
                 )
         mod.candidates[gid] = makers
-    return mod
 
 
 def _torch_runs() -> None:
