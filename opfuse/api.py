@@ -327,7 +327,8 @@ def compile(
     is returned (its `.report` is the FusionReport). In training mode the model goes
     through `torch.compile(backend="opfuse")`: forward and backward are both compiled.
     The caller's module and tensors are never modified. New input shapes, strides or dtypes
-    compile again, up to `cache_limit` signatures; later new ones run through torch.compile.
+    compile again, up to `cache_limit` signatures; later new ones run the model with torch,
+    unfused, with a warning (`recompile=False`: they raise RecompileError).
     """
     model = _as_module(model)
     if cache_limit < 1:
