@@ -18,7 +18,7 @@ import opfuse
 from opfuse import autotune
 from tests.conftest import Fn, assert_matches_eager
 
-IMPLS = [None, "unfused", "blocked", "onednn", "onednn-nhwc"]
+IMPLS = [None, "unfused", "blocked", "opfuse-gemm", "onednn", "onednn-nhwc"]
 
 EPILOGUES = {
     "relu": torch.relu,
@@ -160,11 +160,12 @@ def test_report_says_which_implementation_and_why() -> None:
     (g,) = anchored(r, "gemm_epilogue")
     assert "ms" in g.implementation and g.implementation.split()[0] in (
         "blocked",
+        "opfuse-gemm",
         "onednn",
         "unfused",
         "mkl-unfused",
     )
-    for name in ("blocked", "unfused", "mkl-unfused"):
+    for name in ("blocked", "opfuse-gemm", "unfused", "mkl-unfused"):
         assert name in g.implementation  # every candidate was timed
     # oneDNN's float32 GEMM only below torch's "highest" matmul precision
     assert "onednn" not in g.implementation

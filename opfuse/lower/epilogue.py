@@ -3,6 +3,8 @@ ops that consume its result, lowered for each implementation opfuse can run them
 
 - "blocked": generated C that calls the library GEMM one tile at a time (weights packed
   once at compile time) and applies the epilogue to the tile while it is still in cache;
+- "opfuse-gemm": the same tiles computed by opfuse's own register-blocked GEMM (C, the
+  weight packed once into panels of 32 columns) instead of the library;
 - "onednn": PyTorch's oneDNN fused post-ops (mkldnn._linear_pointwise /
   _convolution_pointwise), when the epilogue is one of the activations (or one binary op,
   then relu) oneDNN fuses;
@@ -129,7 +131,12 @@ class GemmKernel:
     tile_m: int
     tile_n: int
     threads: int  # the thread count it was compiled for
+    own: bool = False  # tiles computed by opfuse's GEMM (backends/c/gemm.py), not the library
     notes: dict[str, str] = field(default_factory=dict, compare=False)
+
+    @property
+    def implementation(self) -> str:
+        return "opfuse-gemm" if self.own else "blocked"
 
     @property
     def in_place(self) -> bool:
@@ -227,6 +234,16 @@ def lower_blocked(graph: Graph, anchor: Node, members: Sequence[Node], threads: 
     if k.in_place:
         return k
     return replace(k, epilogue=_read_tile_slot(kernel, gemm_buf, tn))
+
+
+def own_gemm(k: GemmKernel) -> GemmKernel:
+    """The blocked GEMM with its tiles computed by opfuse's GEMM: it reads A row-major and
+    B from panels packed at compile time, so B must be a frozen weight."""
+    if not k.spec.packable:
+        raise NotFusable("opfuse's GEMM packs the weight once: it must be a frozen constant")
+    if k.spec.a.trans:
+        raise NotFusable("opfuse's GEMM reads the input row-major, not transposed")
+    return replace(k, own=True)
 
 
 # The origin of the tile being computed: C variables the renderer defines.

@@ -28,6 +28,7 @@ from .epilogue import (
     lower_blocked,
     lower_unfused,
     match_onednn,
+    own_gemm,
 )
 from .kernel import Kernel
 from .lowering import NotFusable, lower_group
@@ -59,6 +60,7 @@ Candidate = Kernel | GemmKernel | OneDnnPlan | PackedThenKernel | None  # None: 
 IMPLEMENTATIONS = (
     "unfused",
     "blocked",
+    "opfuse-gemm",
     "onednn",
     "onednn-nhwc",
     "mkl",
@@ -86,6 +88,28 @@ def lower_groups(graph: Graph, part: Partition, threads: int | None = None) -> L
     return out
 
 
+def _blocked(
+    cands: dict[str, Candidate],
+    notes: list[str],
+    graph: Graph,
+    anchor: Node,
+    members: list[Node],
+    threads: int,
+) -> None:
+    """The blocked GEMM candidates: tiles by the library ("blocked") and by opfuse's own
+    GEMM ("opfuse-gemm"), each epilogue applied to the tile in cache."""
+    try:
+        k = lower_blocked(graph, anchor, members, threads)
+    except NotFusable as e:
+        notes.append(f"blocked GEMM: {e}")
+        return
+    cands["blocked"] = k
+    try:
+        cands["opfuse-gemm"] = own_gemm(k)
+    except NotFusable as e:
+        notes.append(f"opfuse-gemm: {e}")
+
+
 def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candidate], list[str]]:
     notes: list[str] = []
     if g.pattern.generated:
@@ -109,10 +133,7 @@ def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candida
                     g.anchor, unfused, "onednn-kblocks"
                 )
         if g.pattern is Pattern.GEMM_EPILOGUE:
-            try:
-                cands["blocked"] = lower_blocked(graph, g.anchor, g.nodes, threads)
-            except NotFusable as e:
-                notes.append(f"blocked GEMM: {e}")
+            _blocked(cands, notes, graph, g.anchor, g.nodes, threads)
         plan = match_onednn(graph, g.anchor, g.nodes)
         if (
             plan is not None
@@ -145,10 +166,7 @@ def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candida
                 cands["onednn"] = OneDnnPlan(a, a)
             elif _k_blocks_pay(a):
                 cands["onednn-kblocks"] = OneDnnPlan(a, a)
-        try:
-            cands["blocked"] = lower_blocked(graph, a, [a], threads)
-        except NotFusable as e:
-            notes.append(f"blocked GEMM: {e}")
+        _blocked(cands, notes, graph, a, [a], threads)
         return cands, notes
     if (
         g.pattern is Pattern.LIBRARY

@@ -198,7 +198,7 @@ def _kernel_of(b: Built | None) -> Kernel | None:
 def _implementation(g: Group, b: Built | None) -> tuple[str, bool]:
     """(what runs, whether the group's intermediates stay out of memory)."""
     if isinstance(b, BuiltGemm):
-        return f"{b.kernel.name}_blocked_{g.id}", True
+        return f"{b.kernel.name}_{b.kernel.implementation.replace('-', '_')}_{g.id}", True
     if isinstance(b, BuiltCall):
         label = ", ".join(dict.fromkeys(short(n.op) for n in g.nodes))
         return f"{b.library}({label})", True
@@ -223,7 +223,7 @@ def _default_impl(g: Group, b: Built | None) -> str:
     if isinstance(b, BuiltCall):
         return "onednn (the only candidate)"
     if isinstance(b, BuiltGemm):
-        return "blocked (the only candidate)"
+        return f"{b.kernel.implementation} (the only candidate)"
     if isinstance(b, BuiltKernel) and g.pattern.epilogue:
         return "unfused: library call, then the epilogue kernel (the only candidate)"
     return ""

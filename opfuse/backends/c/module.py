@@ -27,7 +27,17 @@ from ...runtime.finite import FiniteGuard, gain, largest
 from ...runtime.plan import Built, BuiltCall, BuiltGemm, BuiltKernel
 from ..base import Make, Module, Unavailable
 from .build import BuildError, Library, build
-from .gemm import GEMM_TYPES, blas, can_pack, pack_layout, pack_weight, render_gemm
+from .gemm import (
+    GEMM_TYPES,
+    OWN_GEMM,
+    blas,
+    can_pack,
+    own_layout,
+    pack_layout,
+    pack_own,
+    pack_weight,
+    render_gemm,
+)
 from .render import render_module
 
 
@@ -57,10 +67,13 @@ def _name(lowered: Lowered, tag: str) -> _Named:
                 out.kernels.append((tag + name, c))
             elif isinstance(c, GemmKernel):
                 offsets = None
-                if c.spec.packable and can_pack():
+                if c.own:
+                    offsets, total = own_layout(c)
+                    out.layouts[(gid, cname)] = (offsets, total)
+                elif c.spec.packable and can_pack():
                     offsets, total = pack_layout(c)
                     out.layouts[(gid, cname)] = (offsets, total)
-                name = f"{tag}{c.name}_{cname}_{gid}"
+                name = f"{tag}{c.name}_{cname.replace('-', '_')}_{gid}"
                 out.names[(gid, cname)] = name
                 out.gemms.append((name, c, offsets))
         for cname, c in cands.items():  # the same epilogue kernel as "unfused"
@@ -85,6 +98,8 @@ def build_modules(parts: Sequence[tuple[Graph, Lowered]]) -> list[Module]:
     alias = {name: first.setdefault(text, name) for name, text in canonical.items()}
     pieces = [rendered[n] for n in first.values()]
     header = GEMM_TYPES if any(nm.gemms for nm in named) else ""
+    if any(k.own for nm in named for _, k, _ in nm.gemms):
+        header += OWN_GEMM
     lib = None
     cached, problem = True, ""
     missing: set[str] = set()  # kernels the compiler rejected: their groups run with torch
@@ -147,6 +162,10 @@ def _bind(
                 makers[cname] = functools.partial(BuiltKernel, c, lib.fn(name))
             elif isinstance(c, PackedThenKernel) and name:
                 makers[cname] = functools.partial(_make_packed_then, graph, c, lib.fn(name))
+            elif isinstance(c, GemmKernel) and c.own:
+                makers[cname] = functools.partial(
+                    _make_gemm, graph, c, lib.fn(name), layouts[(gid, cname)], 0
+                )
             elif isinstance(c, GemmKernel) and b is not None:
                 layout = layouts.get((gid, cname))
                 fn_addr = b.sgemm_compute if layout is not None else b.sgemm
@@ -189,7 +208,8 @@ def _make_packed_then(graph: Graph, c: PackedThenKernel, fn: Any) -> Built:
 def _make_gemm(
     graph: Graph, c: GemmKernel, fn: Any, layout: tuple[list[int], int] | None, fn_addr: int
 ) -> Built:
-    packed = pack_weight(c, _weight(graph, c), *layout) if layout is not None else None
+    pack = pack_own if c.own else pack_weight
+    packed = pack(c, _weight(graph, c), *layout) if layout is not None else None
     return BuiltGemm(c, fn, packed, fn_addr)
 
 

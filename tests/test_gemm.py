@@ -1,0 +1,95 @@
+"""opfuse's own GEMM ("opfuse-gemm", backends/c/gemm.py): tiles of a blocked GEMM computed
+in registers from a weight packed at compile time, the epilogue applied in cache."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import opfuse
+from tests.conftest import Fn, assert_matches_eager, assert_no_worse
+
+OWN = opfuse.Options(implementation="opfuse-gemm")
+
+
+def _compiled(m: nn.Module, x: torch.Tensor) -> Any:
+    fast = opfuse.compile(m.eval(), (x,), options=OWN)
+    used = [g.implementation for g in fast.report.groups if g.pattern != "elementwise"]
+    assert any(u.startswith("opfuse-gemm") for u in used), str(fast.report)
+    return fast
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    m=st.integers(1, 40),
+    k=st.integers(1, 300),
+    n=st.integers(1, 90),
+    transposed=st.booleans(),
+    bias=st.booleans(),
+    act=st.sampled_from(["none", "relu", "gelu"]),
+    row_gap=st.sampled_from([0, 3]),
+)
+def test_matches_eager_over_shapes_and_layouts(
+    m: int, k: int, n: int, transposed: bool, bias: bool, act: str, row_gap: int
+) -> None:
+    """Rows and columns that are no multiple of the 8 x 32 register block, K no multiple
+    of its 32-product blocks, a Linear's transposed weight or a plain [K, N] one, an input
+    whose rows lie further apart than K (a slice)."""
+    torch.manual_seed(m * 1000 + k + n)
+    w = torch.randn(n, k) / k**0.5 if transposed else torch.randn(k, n) / k**0.5
+    b = torch.randn(n) if bias else None
+    acts = {"none": lambda t: t, "relu": torch.relu, "gelu": F.gelu}
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        x = x[:, :k]
+        y = F.linear(x, w, b) if transposed else x @ w + (b if b is not None else 0)
+        return acts[act](y)
+
+    x = torch.randn(m, k + row_gap)
+    model = Fn(f)
+    fast = _compiled(model, x)
+    assert_matches_eager(model, fast(x), (x,))
+    x2 = torch.randn(m, k + row_gap)  # the packed weight is the one in the model
+    assert_matches_eager(model, fast(x2), (x2,))
+
+
+@pytest.mark.parametrize("m,k,n", [(64, 1536, 96), (7, 4000, 33), (128, 768, 3072)])
+def test_no_further_from_float64_than_eager(m: int, k: int, n: int) -> None:
+    """Long sums: three levels of partial sums keep every chain short."""
+    torch.manual_seed(0)
+    lin = nn.Linear(k, n)
+    x = torch.randn(m, k)
+    fast = _compiled(lin, x)
+    with torch.no_grad():
+        ours, eager = fast(x), lin(x)
+        ref64 = lin.double()(x.double())
+    assert_no_worse(ours, eager, ref64, f"{m}x{k}x{n}")
+
+
+def test_nan_and_inf_in_the_input_reach_their_rows_only() -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(70, 45)
+    x = torch.randn(11, 70)
+    x[2, 5], x[9, 69] = float("nan"), float("inf")
+    fast = _compiled(lin, x)
+    out = fast(x)
+    assert_matches_eager(lin, out, (x,))
+    finite = torch.ones(11, dtype=torch.bool)
+    finite[[2, 9]] = False
+    assert torch.isfinite(out[finite]).all() and not torch.isfinite(out[~finite]).any()
+
+
+def test_the_tuner_weighs_it_against_the_library() -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(256, 512), nn.GELU()).eval()
+    x = torch.randn(32, 256)
+    fast = opfuse.compile(m, (x,))
+    assert_matches_eager(m, fast(x), (x,))
+    (g,) = [g for g in fast.report.groups if g.pattern == "gemm_epilogue"]
+    assert "opfuse-gemm" in g.implementation and "blocked" in g.implementation, g.implementation
