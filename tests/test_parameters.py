@@ -190,3 +190,35 @@ def test_a_module_compiled_without_recompiling_still_follows_its_parameters() ->
     assert_matches_eager(m, out, (x,))
     with pytest.raises(opfuse.RecompileError, match="shape"):
         fast(torch.randn(2, 3, 6, 6))
+
+
+def test_modules_built_inside_a_compiled_forward_do_not_recompile_it() -> None:
+    """opfuse's registration hooks are process-wide: a forward that slices a ModuleList
+    (a new one, its modules registered) must not make dynamo guard on them and recompile
+    on every call -- for opfuse's backend or any other."""
+
+    class Sliced(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for lin in self.layers[:-1]:
+                x = torch.relu(lin(x))
+            return self.layers[-1](x)
+
+    graphs: list[int] = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(1)
+        return gm.forward
+
+    torch._dynamo.reset()
+    m = Sliced().eval()
+    f = torch.compile(m, backend=counting)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for _ in range(4):
+            torch.testing.assert_close(f(x), m(x))
+    assert len(graphs) == 1
+    torch._dynamo.reset()

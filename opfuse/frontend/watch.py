@@ -30,6 +30,13 @@ _epoch = 0
 
 def _moved(*_: Any) -> None:
     global _epoch
+    # Inside a graph dynamo traces (a forward that slices a ModuleList builds a new one,
+    # registering its modules) the increment would be a side effect dynamo guards on: every
+    # call would fail the guard and recompile, up to dynamo's limit, then run eagerly --
+    # for any torch.compile'd model in a process that imported opfuse. Modules built there
+    # are temporaries, not the parameters of a compiled model.
+    if torch.compiler.is_compiling():
+        return
     _epoch += 1
 
 
