@@ -34,36 +34,36 @@ typedef void (*opfuse_sgemm_t)(const char *, const char *, const int *, const in
                                const float *, const int *, const float *, float *, const int *);
 """
 
-# opfuse's GEMM. A strip of up to 8 rows times a panel of 32 columns is held in vector
-# registers (16 of 16 floats); B comes packed at compile time, panel by panel, K x 32 floats
-# each (zero beyond the matrix), so each k reads two aligned vectors of B and broadcasts 8
-# numbers of A. Products are summed in three levels -- 32 k in registers, 8 such blocks,
-# then those sums in order -- which keeps each chain short: against float64, its max error
-# was never above MKL's in 250 random linears (m 1-200, K 65-1500, n 1-300; median 0.43x
-# MKL's, at most 0.74x). One chain of 64 was above MKL's in 3 of them (up to 1.33x), blocks
-# of 16 or 32 without the middle level in 5 to 44 (docs/numerics.md). GNU C vectors, not
-# intrinsics: any target gcc vectorises for; the FMA is allowed here only (-ffp-contract=off
-# elsewhere).
-OWN_NR, OWN_MR = 32, 8
+# opfuse's GEMM. A strip of up to 6 rows times a panel of 32 columns is summed in 12 vector
+# registers of 16 floats, and the partial sums of up to 8 such blocks in 12 more, so nothing
+# spills (8 rows, whose 32 registers spilled the partial sums, ran 15-30% slower). B comes
+# packed at compile time, panel by panel, K x 32 floats each (zero beyond the matrix): each
+# k reads two aligned vectors of B and broadcasts 6 numbers of A. Products are summed in
+# three levels -- 32 k in registers, 8 such blocks, then those sums in order -- which keeps
+# each chain short: against float64, its max error was never above MKL's in 250 random
+# linears (docs/numerics.md). GNU C vectors, not intrinsics: any target gcc vectorises for;
+# the FMA is allowed here only (-ffp-contract=off elsewhere).
+OWN_NR = 32
 OWN_GEMM = r"""
+#define OPFUSE_MR 6
 typedef float opfuse_v16 __attribute__((vector_size(64)));
 
 __attribute__((optimize("fp-contract=fast")))
 static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
                                      const float *restrict bp, float *restrict c,
                                      int64_t ldc, int rows, int w, int64_t K) {
-  opfuse_v16 s[8][2], mid[8][2], acc[8][2];
+  opfuse_v16 s[OPFUSE_MR][2], mid[OPFUSE_MR][2], acc[OPFUSE_MR][2];
   memset(s, 0, sizeof s);
   memset(mid, 0, sizeof mid);
   for (int64_t k0 = 0; k0 < K; k0 += 32) {
     const int64_t k1 = k0 + 32 < K ? k0 + 32 : K;
     memset(acc, 0, sizeof acc);
-    if (rows == 8) {
+    if (rows == OPFUSE_MR) {
       for (int64_t k = k0; k < k1; k++) {
         const opfuse_v16 b0 = *(const opfuse_v16 *)(bp + k * 32);
         const opfuse_v16 b1 = *(const opfuse_v16 *)(bp + k * 32 + 16);
-        #pragma GCC unroll 8
-        for (int i = 0; i < 8; i++) {
+        #pragma GCC unroll 6
+        for (int i = 0; i < OPFUSE_MR; i++) {
           const float av = a[i * lda + k];
           acc[i][0] += av * b0;
           acc[i][1] += av * b1;
@@ -80,12 +80,12 @@ static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
         }
       }
     }
-    for (int i = 0; i < 8; i++) {
+    for (int i = 0; i < OPFUSE_MR; i++) {
       mid[i][0] += acc[i][0];
       mid[i][1] += acc[i][1];
     }
     if ((k0 / 32) % 8 == 7 || k1 == K) {
-      for (int i = 0; i < 8; i++) {
+      for (int i = 0; i < OPFUSE_MR; i++) {
         s[i][0] += mid[i][0];
         s[i][1] += mid[i][1];
       }
@@ -111,9 +111,9 @@ static void opfuse_gemm_tile(const float *restrict a, int64_t lda, const float *
                              float *restrict c, int64_t ldc, int mm, int nn, int64_t K) {
   for (int p = 0; p * 32 < nn; p++) {
     const int w = nn - p * 32 < 32 ? nn - p * 32 : 32;
-    for (int i0 = 0; i0 < mm; i0 += 8)
+    for (int i0 = 0; i0 < mm; i0 += OPFUSE_MR)
       opfuse_gemm_strip(a + i0 * lda, lda, bp + (int64_t)p * K * 32, c + i0 * ldc + p * 32,
-                        ldc, mm - i0 < 8 ? mm - i0 : 8, w, K);
+                        ldc, mm - i0 < OPFUSE_MR ? mm - i0 : OPFUSE_MR, w, K);
   }
 }
 """
