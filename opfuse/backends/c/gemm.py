@@ -38,7 +38,7 @@ typedef void (*opfuse_sgemm_t)(const char *, const char *, const int *, const in
 # registers of 16 floats, and the partial sums of up to 8 such blocks in 12 more, so nothing
 # spills (8 rows, whose 32 registers spilled the partial sums, ran 15-30% slower). B comes
 # packed at compile time, panel by panel, K x 32 floats each (zero beyond the matrix): each
-# k reads two aligned vectors of B and broadcasts 6 numbers of A. Products are summed in
+# k reads two vectors of B and broadcasts 6 numbers of A. Products are summed in
 # three levels -- 32 k in registers, 8 such blocks, then those sums in order -- which keeps
 # each chain short: against float64, its max error was never above MKL's in 250 random
 # linears (docs/numerics.md). GNU C vectors, not intrinsics: any target gcc vectorises for;
@@ -60,8 +60,9 @@ static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
     memset(acc, 0, sizeof acc);
     if (rows == OPFUSE_MR) {
       for (int64_t k = k0; k < k1; k++) {
-        const opfuse_v16 b0 = *(const opfuse_v16 *)(bp + k * 32);
-        const opfuse_v16 b1 = *(const opfuse_v16 *)(bp + k * 32 + 16);
+        opfuse_v16 b0, b1;  /* memcpy: no alignment assumed of the packed buffer */
+        memcpy(&b0, bp + k * 32, 64);
+        memcpy(&b1, bp + k * 32 + 16, 64);
         #pragma GCC unroll 6
         for (int i = 0; i < OPFUSE_MR; i++) {
           const float av = a[i * lda + k];
@@ -71,8 +72,9 @@ static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
       }
     } else {
       for (int64_t k = k0; k < k1; k++) {
-        const opfuse_v16 b0 = *(const opfuse_v16 *)(bp + k * 32);
-        const opfuse_v16 b1 = *(const opfuse_v16 *)(bp + k * 32 + 16);
+        opfuse_v16 b0, b1;  /* memcpy: no alignment assumed of the packed buffer */
+        memcpy(&b0, bp + k * 32, 64);
+        memcpy(&b1, bp + k * 32 + 16, 64);
         for (int i = 0; i < rows; i++) {
           const float av = a[i * lda + k];
           acc[i][0] += av * b0;
@@ -234,8 +236,8 @@ def pack_weight(
 
 
 def own_layout(k: GemmKernel) -> tuple[list[int], int]:
-    """Where each column tile's panels start in opfuse's packed weight (floats, 64-byte
-    aligned) and the total size."""
+    """Where each column tile's panels start in opfuse's packed weight (floats) and the
+    total size."""
     spec = k.spec
     offsets, total = [], 0
     for n0 in range(0, spec.n, k.tile_n):
@@ -251,7 +253,6 @@ def pack_own(k: GemmKernel, weight: torch.Tensor, offsets: list[int], total: int
     spec = k.spec
     strides = (1, spec.b.ld) if spec.b.trans else (spec.b.ld, 1)
     b = weight.as_strided((spec.k, spec.n), strides, weight.storage_offset())
-    # torch's allocator aligns to 64 bytes; the panels' offsets are multiples of 16 floats
     buf = torch.zeros(total, dtype=torch.float32)
     for n0, off in zip(range(0, spec.n, k.tile_n), offsets):
         nn = min(k.tile_n, spec.n - n0)
