@@ -93,3 +93,18 @@ def test_the_tuner_weighs_it_against_the_library() -> None:
     assert_matches_eager(m, fast(x), (x,))
     (g,) = [g for g in fast.report.groups if g.pattern == "gemm_epilogue"]
     assert "opfuse-gemm" in g.implementation and "blocked" in g.implementation, g.implementation
+
+
+def test_an_updated_weight_is_packed_again() -> None:
+    """The packed panels are a copy: a weight changed in place after compiling must reach
+    the result (the compiled module follows its parameters)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(40, 24).eval()
+    x = torch.randn(9, 40)
+    fast = _compiled(lin, x)
+    assert_matches_eager(lin, fast(x), (x,))
+    with torch.no_grad():
+        lin.weight.mul_(-2.0)
+    with pytest.warns(RuntimeWarning, match="compiling again"):
+        out = fast(x)
+    assert_matches_eager(lin, out, (x,))

@@ -48,6 +48,26 @@ OWN_GEMM = r"""
 #define OPFUSE_MR 6
 typedef float opfuse_v16 __attribute__((vector_size(64)));
 
+/* acc[i] += a[i, k] * B[k] over k in [k0, k1), for i < rows: called with rows the
+   constant OPFUSE_MR for full strips, so that gcc unrolls the rows and keeps acc in
+   registers. */
+__attribute__((optimize("fp-contract=fast"), always_inline))
+static inline void opfuse_gemm_block(opfuse_v16 acc[OPFUSE_MR][2], const float *restrict a,
+                                     int64_t lda, const float *restrict bp, int64_t k0,
+                                     int64_t k1, int rows) {
+  for (int64_t k = k0; k < k1; k++) {
+    opfuse_v16 b0, b1;  /* memcpy: no alignment assumed of the packed buffer */
+    memcpy(&b0, bp + k * 32, 64);
+    memcpy(&b1, bp + k * 32 + 16, 64);
+    #pragma GCC unroll 6
+    for (int i = 0; i < rows; i++) {
+      const float av = a[i * lda + k];
+      acc[i][0] += av * b0;
+      acc[i][1] += av * b1;
+    }
+  }
+}
+
 __attribute__((optimize("fp-contract=fast")))
 static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
                                      const float *restrict bp, float *restrict c,
@@ -58,30 +78,10 @@ static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
   for (int64_t k0 = 0; k0 < K; k0 += 32) {
     const int64_t k1 = k0 + 32 < K ? k0 + 32 : K;
     memset(acc, 0, sizeof acc);
-    if (rows == OPFUSE_MR) {
-      for (int64_t k = k0; k < k1; k++) {
-        opfuse_v16 b0, b1;  /* memcpy: no alignment assumed of the packed buffer */
-        memcpy(&b0, bp + k * 32, 64);
-        memcpy(&b1, bp + k * 32 + 16, 64);
-        #pragma GCC unroll 6
-        for (int i = 0; i < OPFUSE_MR; i++) {
-          const float av = a[i * lda + k];
-          acc[i][0] += av * b0;
-          acc[i][1] += av * b1;
-        }
-      }
-    } else {
-      for (int64_t k = k0; k < k1; k++) {
-        opfuse_v16 b0, b1;  /* memcpy: no alignment assumed of the packed buffer */
-        memcpy(&b0, bp + k * 32, 64);
-        memcpy(&b1, bp + k * 32 + 16, 64);
-        for (int i = 0; i < rows; i++) {
-          const float av = a[i * lda + k];
-          acc[i][0] += av * b0;
-          acc[i][1] += av * b1;
-        }
-      }
-    }
+    if (rows == OPFUSE_MR)
+      opfuse_gemm_block(acc, a, lda, bp, k0, k1, OPFUSE_MR);
+    else
+      opfuse_gemm_block(acc, a, lda, bp, k0, k1, rows);
     for (int i = 0; i < OPFUSE_MR; i++) {
       mid[i][0] += acc[i][0];
       mid[i][1] += acc[i][1];
