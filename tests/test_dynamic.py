@@ -127,8 +127,8 @@ def test_static_regions_build_as_one_library(monkeypatch: pytest.MonkeyPatch) ->
     splits: list[dynamic.Split] = []
     real_split = dynamo.split_static
 
-    def split(gm: torch.fx.GraphModule) -> dynamic.Split:
-        splits.append(real_split(gm))
+    def split(gm: torch.fx.GraphModule, static: Any = ()) -> dynamic.Split:
+        splits.append(real_split(gm, static))
         return splits[-1]
 
     monkeypatch.setattr(dynamo, "split_static", split)

@@ -108,3 +108,60 @@ def test_an_updated_weight_is_packed_again() -> None:
     with pytest.warns(RuntimeWarning, match="compiling again"):
         out = fast(x)
     assert_matches_eager(lin, out, (x,))
+
+
+def test_torch_compile_inference_packs_parameters_and_follows_them() -> None:
+    """Under torch.compile the weights are graph inputs: in an inference graph opfuse's
+    GEMM packs a parameter on the first call and again whenever it changes in place or
+    is replaced."""
+    from opfuse.frontend import dynamo
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 96), nn.Tanh(), nn.Linear(96, 40)).eval()
+    reports = []
+    dynamo._listeners.sinks = [reports]
+    try:
+        torch._dynamo.reset()
+        f = torch.compile(m, backend="opfuse", options={"implementation": "opfuse-gemm"})
+        x = torch.randn(16, 64)
+        with torch.no_grad():
+            assert_matches_eager(m, f(x), (x,))
+            used = [g.implementation for r in reports for g in r.groups]
+            assert sum(u.startswith("opfuse-gemm") for u in used) == 2, used
+            m[0].weight.mul_(-1.5)  # in place: its version counter moves
+            assert_matches_eager(m, f(x), (x,))
+            m[2].weight.copy_(torch.randn(40, 96))
+            assert_matches_eager(m, f(x), (x,))
+            m[2].weight = nn.Parameter(torch.randn(40, 96))  # another tensor
+            assert_matches_eager(m, f(x), (x,))
+    finally:
+        dynamo._listeners.sinks = []
+        torch._dynamo.reset()
+
+
+def test_training_graphs_read_the_weights_as_they_are() -> None:
+    """A training forward's parameters change every step: no packed copy is kept."""
+    from opfuse.frontend import dynamo
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 8))
+    ref = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 8))
+    ref.load_state_dict(m.state_dict())
+    reports = []
+    dynamo._listeners.sinks = [reports]
+    try:
+        torch._dynamo.reset()
+        f = torch.compile(m, backend="opfuse")
+        opt, opt_ref = torch.optim.SGD(m.parameters(), 0.1), torch.optim.SGD(ref.parameters(), 0.1)
+        for _ in range(3):
+            x = torch.randn(8, 32)
+            f(x).square().sum().backward()
+            ref(x).square().sum().backward()
+            opt.step(), opt_ref.step(), opt.zero_grad(), opt_ref.zero_grad()
+        for p, q in zip(m.parameters(), ref.parameters()):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+        used = [g.implementation for r in reports for g in r.groups]
+        assert not any(u.startswith("opfuse-gemm") for u in used), used
+    finally:
+        dynamo._listeners.sinks = []
+        torch._dynamo.reset()

@@ -19,7 +19,7 @@ import operator
 import os
 import re
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 
-from ..ir.graph import GETITEM, INPUT, Graph, GraphBuilder, Source, TensorMeta
+from ..ir.graph import GETITEM, INPUT, STATIC, Graph, GraphBuilder, Source, TensorMeta
 from . import structure
 from .decompose import CALLER_ONEDNN, RECURRENT, decompositions, keep_whole
 
@@ -276,13 +276,18 @@ def module_calls_fx(module: torch.nn.Module) -> list[tuple[str, str | None, int]
 
 
 # -- AOTAutograd graphs (torch.compile backend) -----------------------------------------
-def capture_fx(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[Graph, list[int]]:
+def capture_fx(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], static: Collection[int] = ()
+) -> tuple[Graph, list[int]]:
     """Convert an ATen-level fx graph, re-deriving every shape from `example_inputs`
     (concrete tensors, or fake ones with static shapes). Returns the graph and, per graph
-    input, its position among the fx graph's arguments (sizes passed as ints are baked in)."""
+    input, its position among the fx graph's arguments (sizes passed as ints are baked in).
+    The arguments at the positions in `static` are the same tensors on every call (a
+    module's parameters and buffers, as dynamo passes them): their input nodes say so."""
     vals = _propagate(gm, example_inputs)
     placeholders: dict[str, Any] = {}
     positions: list[int] = []
+    fixed: set[str] = set()
     k = 0
     for n in gm.graph.nodes:
         if n.op == "placeholder":
@@ -290,10 +295,12 @@ def capture_fx(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple
             if isinstance(v, torch.Tensor):
                 placeholders[n.name] = ("input", ("user", k))
                 positions.append(k)
+                if k in static:
+                    fixed.add(n.name)
             else:
                 placeholders[n.name] = ("value", v)
             k += 1
-    graph, _ = _convert(gm, placeholders, [], vals)
+    graph, _ = _convert(gm, placeholders, [], vals, fixed)
     return graph, positions
 
 
@@ -358,6 +365,7 @@ def _convert(
     placeholders: dict[str, Any],
     input_roles: list[tuple[str, Any]],
     vals: dict[torch.fx.Node, Any] | None = None,
+    static: Collection[str] = (),
 ) -> tuple[Graph, dict[torch.fx.Node, Any]]:
     b = GraphBuilder()
     env: dict[torch.fx.Node, Any] = {}
@@ -376,7 +384,8 @@ def _convert(
         if n.op == "placeholder":
             kind, payload = placeholders[n.name]
             if kind == "input":
-                env[n] = b.add(INPUT, meta=_meta(value_of(n)), name=n.name)
+                kw = {STATIC: True} if n.name in static else None
+                env[n] = b.add(INPUT, (), kw, meta=_meta(value_of(n)), name=n.name)
                 input_roles.append(payload)
             elif kind == "constant":
                 env[n] = b.constant(payload[1], _safe_name(payload[0]))

@@ -19,7 +19,7 @@ Regions are cut by torch.fx's capability partitioner, which keeps them free of c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -104,6 +104,8 @@ class Split:
     regions: dict[str, tuple[torch.fx.GraphModule, list[Any]]] = field(default_factory=dict)
     dynamic_ops: list[str] = field(default_factory=list)  # ops left to torch, by name
     symbols: list[str] = field(default_factory=list)  # the graph's size symbols
+    # per region, the positions of its inputs that are the graph's static inputs
+    static: dict[str, frozenset[int]] = field(default_factory=dict)
 
 
 PREFIX = "static_"
@@ -115,9 +117,10 @@ def static_share(gm: torch.fx.GraphModule) -> float:
     return sum(_static_node(n) for n in work) / len(work) if work else 0.0
 
 
-def split_static(gm: torch.fx.GraphModule) -> Split:
+def split_static(gm: torch.fx.GraphModule, static: Collection[int] = ()) -> Split:
     """Cut a copy of `gm` (a graph with symbolic sizes) into static regions and the
-    rest; `gm` itself is left as it was."""
+    rest; `gm` itself is left as it was. `static`: the positions of gm's inputs that are
+    the same tensors on every call (parameters), which regions learn of theirs."""
     graph = torch.fx.Graph()
     out = graph.graph_copy(gm.graph, {})
     graph.output(out)
@@ -130,14 +133,22 @@ def split_static(gm: torch.fx.GraphModule) -> Split:
     ]
     if not parts:
         return Split(gm, {}, dynamic_ops, symbols(gm))
+    placeholders = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    fixed = {placeholders[i] for i in static}
     fused = partitioner.fuse_partitions(parts, prefix=PREFIX)
     regions: dict[str, tuple[torch.fx.GraphModule, list[Any]]] = {}
+    region_static: dict[str, frozenset[int]] = {}
     for n in fused.graph.nodes:
         if n.op == "call_module" and n.target.startswith(PREFIX):
             sub = getattr(fused, n.target)
             examples = [a.meta.get("val") for a in n.args]
             regions[n.target] = (sub, examples)
-    return Split(fused, regions, dynamic_ops, symbols(gm))
+            region_static[n.target] = frozenset(
+                i
+                for i, a in enumerate(n.args)
+                if isinstance(a, torch.fx.Node) and a.op == "placeholder" and a.name in fixed
+            )
+    return Split(fused, regions, dynamic_ops, symbols(gm), region_static)
 
 
 def symbols(gm: torch.fx.GraphModule) -> list[str]:

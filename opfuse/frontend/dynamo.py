@@ -58,8 +58,10 @@ class _GraphRunner:
         cache_limit: int = CACHE_LIMIT,
         fallback: Callable[[list[Any]], Any] | None = None,
         compile_now: bool = True,
+        static: frozenset[int] = frozenset(),
     ) -> None:
         self.gm = gm
+        self.static = static  # inputs that are parameters (capture_fx)
         self.fallback = fallback
         self.options = options
         self.cache_limit = cache_limit
@@ -82,7 +84,7 @@ class _GraphRunner:
             # AOTAutograd may call the compiler with its fake-tensor mode still active:
             # constant folding and autotuning compute with real tensors.
             with unset_fake_temporarily():
-                graph, positions = capture_fx(self.gm, args)
+                graph, positions = capture_fx(self.gm, args, self.static)
                 compiled = compile_graph(graph, self.options, count_kernels(graph))
             entry = (compiled, positions)
         except Exception as e:  # never crash a model eager runs: run this graph with torch
@@ -145,13 +147,17 @@ def _compiler(
     example_inputs: Sequence[Any],
     options: Options | None = None,
     cache_limit: int = CACHE_LIMIT,
+    static: frozenset[int] = frozenset(),
 ) -> Callable[..., Any]:
+    """`static`: the inputs that are the model's parameters and buffers, in an inference
+    graph (opfuse's GEMM keeps a packed copy of such a weight, packed again when it
+    changes)."""
     from torch._functorch.aot_autograd import make_boxed_func
 
     opts = options or Options(freeze=False)
     fallback = None
     if has_symbols(example_inputs):
-        generic = _Generic(gm, opts)
+        generic = _Generic(gm, opts, static)
         share = static_share(gm)
         if share >= GENERIC_SHARE:
             return make_boxed_func(lambda *a: generic(list(a)))
@@ -162,7 +168,7 @@ def _compiler(
             f"graph, up to {cache_limit}; one compile of its static regions serves the "
             "sizes past them"
         )
-    runner = _GraphRunner(gm, example_inputs, opts, cache_limit, fallback)
+    runner = _GraphRunner(gm, example_inputs, opts, cache_limit, fallback, static=static)
     return make_boxed_func(lambda *a: runner(list(a)))
 
 
@@ -184,8 +190,10 @@ class _Generic:
     """A graph with symbolic sizes compiled once: its static regions by opfuse, the rest
     run with torch (frontend/dynamic.py). Split on the first call."""
 
-    def __init__(self, gm: torch.fx.GraphModule, options: Options) -> None:
-        self.gm, self.options = gm, options
+    def __init__(
+        self, gm: torch.fx.GraphModule, options: Options, static: frozenset[int] = frozenset()
+    ) -> None:
+        self.gm, self.options, self.static = gm, options, static
         self.run: Callable[..., Any] | None = None
 
     def __call__(self, args: list[Any]) -> Any:
@@ -194,7 +202,7 @@ class _Generic:
         return self.run(*args)
 
     def _split(self) -> Callable[..., Any]:
-        split = split_static(self.gm)
+        split = split_static(self.gm, self.static)
         ops = split.dynamic_ops
         shown = ", ".join(ops[:8]) + (", ..." if len(ops) > 8 else "")
         note = (
@@ -204,19 +212,23 @@ class _Generic:
             + (f" ({shown})" if ops else "")
         )
         _tell(note)
-        runners = _compile_regions(split.regions, self.options)
+        runners = _compile_regions(split.regions, self.options, split.static)
         install(split, lambda name, sub, examples: runners[name])
         return split.module.forward
 
 
 def _compile_regions(
-    regions: dict[str, tuple[torch.fx.GraphModule, list[Any]]], options: Options
+    regions: dict[str, tuple[torch.fx.GraphModule, list[Any]]],
+    options: Options,
+    static: dict[str, frozenset[int]],
 ) -> dict[str, _GraphRunner]:
     """The static regions of one graph compiled together: one compile, their kernels one
     library. A region that does not capture runs with torch; if the joint compile fails,
     each region compiles alone (and falls back to torch alone)."""
     runners = {
-        name: _GraphRunner(sub, ex, options, 1, compile_now=False)
+        name: _GraphRunner(
+            sub, ex, options, 1, compile_now=False, static=static.get(name, frozenset())
+        )
         for name, (sub, ex) in regions.items()
     }
     if not runners:
@@ -227,7 +239,7 @@ def _compile_regions(
         for name, (sub, examples) in regions.items():
             args = [_unit_strides(a) for a in examples]
             try:
-                graph, positions = capture_fx(sub, args)
+                graph, positions = capture_fx(sub, args, runners[name].static)
             except Exception as e:
                 warn_once(f"opfuse: a static region falls back to torch ({type(e).__name__}: {e})")
                 runners[name].keep(args, None)
@@ -264,7 +276,12 @@ def _forward_compiler(
     if meta is not None and hasattr(meta, "bw_donated_idxs"):
         meta.bw_donated_idxs = []
     learn(facts, gm)
-    return _compiler(gm, example_inputs, options, cache_limit)
+    static: frozenset[int] = frozenset()
+    if meta is not None and not getattr(meta, "traced_tangents", [None]):
+        # An inference graph (no gradient flows back): its parameters are inputs the
+        # caller passes unchanged from call to call, where a training step moves them all.
+        static = frozenset(getattr(meta, "static_input_indices", None) or ())
+    return _compiler(gm, example_inputs, options, cache_limit, static)
 
 
 def opfuse_backend(

@@ -99,6 +99,9 @@ class Source:
 Arg = Any
 
 INPUT = "input"
+# An input node's kwarg: the caller passes the same tensor on every call (a parameter or
+# buffer dynamo hands a graph), changed only in place, which moves its version counter.
+STATIC = "static"
 CONSTANT = "constant"
 GETITEM = "getitem"
 

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..ir.graph import CONSTANT, GETITEM, Graph, Node, bind
+from ..ir.graph import CONSTANT, GETITEM, INPUT, STATIC, Graph, Node, bind
 from ..ir.index import Ix, Var, address
 from ..ir.ops import VIEW_OPS
 from ..ir.scalar import walk
@@ -58,6 +58,9 @@ class GemmSpec:
     n: int
     k: int
     packable: bool  # B is a frozen float32 constant: pack it once for the library
+    # B is (a view of) a static graph input: opfuse's GEMM packs it on the first call and
+    # again when it changes (runtime/execute.Packed)
+    b_static: bool = False
 
     @property
     def flops(self) -> int:
@@ -102,9 +105,11 @@ def gemm_spec(anchor: Node) -> tuple[GemmSpec | None, str]:
     ao, bo = _operand(x, m, k), _operand(w, k, n)
     if ao is None or bo is None:
         return None, "a matmul input has a layout BLAS cannot read"
-    packable = anchor.op != "aten.bmm.default" and const_root(w) is not None
+    not_bmm = anchor.op != "aten.bmm.default"
+    packable = not_bmm and const_root(w) is not None
+    b_static = not_bmm and static_root(w) is not None
     return GemmSpec(
-        anchor.op.split(".")[1], ao, bo, bias, alpha, beta, batch, m, n, k, packable
+        anchor.op.split(".")[1], ao, bo, bias, alpha, beta, batch, m, n, k, packable, b_static
     ), ""
 
 
@@ -114,6 +119,15 @@ def const_root(n: Node) -> Node | None:
             return None
         n = n.args[0]
     return n
+
+
+def static_root(n: Node) -> Node | None:
+    """The static graph input (a parameter dynamo passes) n is a view of, if any."""
+    while n.op != INPUT:
+        if not _is_view(n):
+            return None
+        n = n.args[0]
+    return n if n.kw.get(STATIC) else None
 
 
 # -- the blocked kernel -------------------------------------------------------------------------
@@ -239,8 +253,10 @@ def lower_blocked(graph: Graph, anchor: Node, members: Sequence[Node], threads: 
 def own_gemm(k: GemmKernel) -> GemmKernel:
     """The blocked GEMM with its tiles computed by opfuse's GEMM: it reads A row-major and
     B from panels packed at compile time, so B must be a frozen weight."""
-    if not k.spec.packable:
-        raise NotFusable("opfuse's GEMM packs the weight once: it must be a frozen constant")
+    if not (k.spec.packable or k.spec.b_static):
+        raise NotFusable(
+            "opfuse's GEMM packs the weight: it must be a frozen constant or a parameter"
+        )
     if k.spec.a.trans:
         raise NotFusable("opfuse's GEMM reads the input row-major, not transposed")
     return replace(k, own=True)

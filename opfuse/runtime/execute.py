@@ -56,7 +56,27 @@ class Scratch:
     block: int | None = None
 
 
-KernelArg = In | Out | Const | Scratch
+class Packed:
+    """A weight the kernel reads packed (opfuse's GEMM), from a static input: packed on the
+    first call and again whenever another tensor or new contents arrive (its storage or
+    version counter moved). The packed copy keeps the tensor it came from alive, so no
+    other storage can take its place unseen."""
+
+    def __init__(self, slot: int, pack: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.slot = slot
+        self.pack = pack
+        self._state: tuple[torch.Tensor, int, int, int, torch.Tensor] | None = None
+
+    def address(self, t: torch.Tensor) -> int:
+        key = (t.untyped_storage()._cdata, t.data_ptr(), t._version)
+        state = self._state  # one read: another thread may replace it meanwhile
+        if state is None or state[1:4] != key:
+            state = (t, *key, self.pack(t))
+            self._state = state
+        return state[4].data_ptr()
+
+
+KernelArg = In | Out | Const | Scratch | Packed
 
 
 @dataclass
@@ -206,7 +226,7 @@ class Runtime:
                 [None] * len(step.args) if step.tensors else (ctypes.c_void_p * len(step.args))()
             )
             ref = _same if step.tensors else _address
-            dyn: list[tuple[int, In | Out]] = []
+            dyn: list[tuple[int, In | Out | Packed]] = []
             for ai, a in enumerate(step.args):
                 if isinstance(a, Const):
                     arr[ai] = a.value if isinstance(a.value, int) else ref(a.value)
@@ -260,7 +280,9 @@ class Runtime:
                 arr = f.arrays[si]
                 tensors = step.tensors
                 for ai, a in f.dynamic[si]:
-                    if type(a) is In:
+                    if type(a) is Packed:
+                        arr[ai] = a.address(env[a.slot])
+                    elif type(a) is In:
                         t = env[a.slot]
                         if a.check:
                             t = env[a.slot] = _conform(t, a.meta)

@@ -21,6 +21,7 @@ from .execute import (
     KernelArg,
     KernelStep,
     Out,
+    Packed,
     Plan,
     Scratch,
     Slot,
@@ -48,6 +49,9 @@ class BuiltGemm:
     fn: Any
     b: Any
     gemm_fn: int
+    # B is a static input the kernel reads packed: how to pack it (on the first call and
+    # whenever it changes; execute.Packed)
+    pack: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 @dataclass
@@ -232,7 +236,10 @@ def build_plan(graph: Graph, part: Partition, built: Mapping[int, Built]) -> Pla
             else:
                 bn = p.by_name[k.spec.b.node.name]
                 p.need(bn)
-                args.append(In(p.slot[bn], bn.tensor, bn in p.torch_made))
+                if b.pack is not None:
+                    args.append(Packed(p.slot[bn], b.pack))
+                else:
+                    args.append(In(p.slot[bn], bn.tensor, bn in p.torch_made))
                 reads.append(bn)
             scratch = (k.gemm_buffer, k.scratch_bytes)
             epi_args, epi_reads = p.kernel_args(k.epilogue, scratch=scratch)

@@ -253,14 +253,18 @@ def pack_own(k: GemmKernel, weight: torch.Tensor, offsets: list[int], total: int
     spec = k.spec
     strides = (1, spec.b.ld) if spec.b.trans else (spec.b.ld, 1)
     b = weight.as_strided((spec.k, spec.n), strides, weight.storage_offset())
-    buf = torch.zeros(total, dtype=torch.float32)
+    buf = torch.empty(total, dtype=torch.float32)
     for n0, off in zip(range(0, spec.n, k.tile_n), offsets):
         nn = min(k.tile_n, spec.n - n0)
-        panels = -(-nn // OWN_NR)
-        block = buf[off : off + panels * spec.k * OWN_NR].view(panels, spec.k, OWN_NR)
-        for p in range(panels):
-            w = min(OWN_NR, nn - p * OWN_NR)
-            block[p, :, :w] = b[:, n0 + p * OWN_NR : n0 + p * OWN_NR + w]
+        full, rest = divmod(nn, OWN_NR)
+        size = spec.k * OWN_NR
+        if full:  # the whole panels in one copy
+            block = buf[off : off + full * size].view(full, spec.k, OWN_NR)
+            block.copy_(b[:, n0 : n0 + full * OWN_NR].reshape(spec.k, full, OWN_NR).transpose(0, 1))
+        if rest:
+            tail = buf[off + full * size : off + (full + 1) * size].view(spec.k, OWN_NR)
+            tail[:, rest:] = 0
+            tail[:, :rest] = b[:, n0 + full * OWN_NR : n0 + nn]
     return buf
 
 

@@ -164,7 +164,7 @@ def _bind(
                 makers[cname] = functools.partial(_make_packed_then, graph, c, lib.fn(name))
             elif isinstance(c, GemmKernel) and c.own:
                 makers[cname] = functools.partial(
-                    _make_gemm, graph, c, lib.fn(name), layouts[(gid, cname)], 0
+                    _make_own_gemm, graph, c, lib.fn(name), layouts[(gid, cname)]
                 )
             elif isinstance(c, GemmKernel) and b is not None:
                 layout = layouts.get((gid, cname))
@@ -211,6 +211,15 @@ def _make_gemm(
     pack = pack_own if c.own else pack_weight
     packed = pack(c, _weight(graph, c), *layout) if layout is not None else None
     return BuiltGemm(c, fn, packed, fn_addr)
+
+
+def _make_own_gemm(graph: Graph, c: GemmKernel, fn: Any, layout: tuple[list[int], int]) -> Built:
+    """opfuse's GEMM: a frozen weight packed now; a parameter the graph takes as an input
+    packed by the runtime on the first call, and again when it changes."""
+    if c.spec.packable:
+        return _make_gemm(graph, c, fn, layout, 0)
+    offsets, total = layout
+    return BuiltGemm(c, fn, None, 0, functools.partial(pack_own, c, offsets=offsets, total=total))
 
 
 def _weight(graph: Graph, k: GemmKernel) -> torch.Tensor:
