@@ -19,7 +19,7 @@ Regions are cut by torch.fx's capability partitioner, which keeps them free of c
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,13 +176,13 @@ def _free_symbols(val: Any) -> set[Any]:
     return out
 
 
-def install(split: Split, runner: Callable[[str, torch.fx.GraphModule, list[Any]], Any]) -> None:
-    """Replace each static region of `split.module` with `runner(name, graph, examples)`,
-    a callable of the region's inputs returning its outputs as a sequence."""
-    for name, (sub, examples) in split.regions.items():
+def install(split: Split, runners: Mapping[str, Callable[[list[Any]], Any]]) -> None:
+    """Replace each static region of `split.module` with its runner, by name: a callable
+    of the region's inputs returning its outputs as a sequence."""
+    for name, (sub, _) in split.regions.items():
         out = next(n for n in sub.graph.nodes if n.op == "output")
         single = not isinstance(out.args[0], (tuple, list))
-        setattr(split.module, name, _Region(runner(name, sub, examples), single))
+        setattr(split.module, name, _Region(runners[name], single))
     split.module.recompile()
 
 

@@ -212,8 +212,7 @@ class _Generic:
             + (f" ({shown})" if ops else "")
         )
         _tell(note)
-        runners = _compile_regions(split.regions, self.options, split.static)
-        install(split, lambda name, sub, examples: runners[name])
+        install(split, _compile_regions(split.regions, self.options, split.static))
         return split.module.forward
 
 

@@ -113,21 +113,23 @@ def gemm_spec(anchor: Node) -> tuple[GemmSpec | None, str]:
     ), ""
 
 
-def const_root(n: Node) -> Node | None:
-    while n.op != CONSTANT:
-        if not _is_view(n):
-            return None
+def _view_root(n: Node) -> Node:
+    """What n is (a chain of views of)."""
+    while _is_view(n):
         n = n.args[0]
     return n
 
 
+def const_root(n: Node) -> Node | None:
+    """The frozen constant n is a view of, if any."""
+    root = _view_root(n)
+    return root if root.op == CONSTANT else None
+
+
 def static_root(n: Node) -> Node | None:
     """The static graph input (a parameter dynamo passes) n is a view of, if any."""
-    while n.op != INPUT:
-        if not _is_view(n):
-            return None
-        n = n.args[0]
-    return n if n.kw.get(STATIC) else None
+    root = _view_root(n)
+    return root if root.op == INPUT and root.kw.get(STATIC) else None
 
 
 # -- the blocked kernel -------------------------------------------------------------------------
@@ -252,7 +254,8 @@ def lower_blocked(graph: Graph, anchor: Node, members: Sequence[Node], threads: 
 
 def own_gemm(k: GemmKernel) -> GemmKernel:
     """The blocked GEMM with its tiles computed by opfuse's GEMM: it reads A row-major and
-    B from panels packed at compile time, so B must be a frozen weight."""
+    B from packed panels, so B must be a frozen weight (packed at compile time) or a
+    static input (packed by the runtime)."""
     if not (k.spec.packable or k.spec.b_static):
         raise NotFusable(
             "opfuse's GEMM packs the weight: it must be a frozen constant or a parameter"

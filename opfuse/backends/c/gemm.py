@@ -247,10 +247,12 @@ def own_layout(k: GemmKernel) -> tuple[list[int], int]:
     return offsets, total
 
 
-def pack_own(k: GemmKernel, weight: torch.Tensor, offsets: list[int], total: int) -> torch.Tensor:
+def pack_own(k: GemmKernel, weight: torch.Tensor) -> torch.Tensor:
     """B (as the GEMM reads it: [K, N], its storage possibly transposed) packed for
-    opfuse_gemm_tile: per column tile, panels of 32 columns, K x 32 each, zero-padded."""
+    opfuse_gemm_tile: per column tile, panels of 32 columns, K x 32 each, zero-padded, at
+    the offsets own_layout gives the rendered kernel."""
     spec = k.spec
+    offsets, total = own_layout(k)
     strides = (1, spec.b.ld) if spec.b.trans else (spec.b.ld, 1)
     b = weight.as_strided((spec.k, spec.n), strides, weight.storage_offset())
     buf = torch.empty(total, dtype=torch.float32)

@@ -54,7 +54,7 @@ class _Named:
     gemms: list[tuple[str, GemmKernel, list[int] | None]] = dataclasses.field(default_factory=list)
     layouts: dict[tuple[int, str], tuple[list[int], int]] = dataclasses.field(
         default_factory=dict
-    )  # packed GEMM weights
+    )  # MKL's packed GEMM weights
 
 
 def _name(lowered: Lowered, tag: str) -> _Named:
@@ -67,9 +67,8 @@ def _name(lowered: Lowered, tag: str) -> _Named:
                 out.kernels.append((tag + name, c))
             elif isinstance(c, GemmKernel):
                 offsets = None
-                if c.own:
-                    offsets, total = own_layout(c)
-                    out.layouts[(gid, cname)] = (offsets, total)
+                if c.own:  # the rendered kernel's offsets; pack_own derives the same
+                    offsets, _ = own_layout(c)
                 elif c.spec.packable and can_pack():
                     offsets, total = pack_layout(c)
                     out.layouts[(gid, cname)] = (offsets, total)
@@ -163,9 +162,7 @@ def _bind(
             elif isinstance(c, PackedThenKernel) and name:
                 makers[cname] = functools.partial(_make_packed_then, graph, c, lib.fn(name))
             elif isinstance(c, GemmKernel) and c.own:
-                makers[cname] = functools.partial(
-                    _make_own_gemm, graph, c, lib.fn(name), layouts[(gid, cname)]
-                )
+                makers[cname] = functools.partial(_make_own_gemm, graph, c, lib.fn(name))
             elif isinstance(c, GemmKernel) and b is not None:
                 layout = layouts.get((gid, cname))
                 fn_addr = b.sgemm_compute if layout is not None else b.sgemm
@@ -208,18 +205,17 @@ def _make_packed_then(graph: Graph, c: PackedThenKernel, fn: Any) -> Built:
 def _make_gemm(
     graph: Graph, c: GemmKernel, fn: Any, layout: tuple[list[int], int] | None, fn_addr: int
 ) -> Built:
-    pack = pack_own if c.own else pack_weight
-    packed = pack(c, _weight(graph, c), *layout) if layout is not None else None
+    packed = pack_weight(c, _weight(graph, c), *layout) if layout is not None else None
     return BuiltGemm(c, fn, packed, fn_addr)
 
 
-def _make_own_gemm(graph: Graph, c: GemmKernel, fn: Any, layout: tuple[list[int], int]) -> Built:
-    """opfuse's GEMM: a frozen weight packed now; a parameter the graph takes as an input
-    packed by the runtime on the first call, and again when it changes."""
+def _make_own_gemm(graph: Graph, c: GemmKernel, fn: Any) -> Built:
+    """opfuse's GEMM (no library function): a frozen weight packed now; a parameter the
+    graph takes as an input packed by the runtime on the first call, and again when it
+    changes."""
     if c.spec.packable:
-        return _make_gemm(graph, c, fn, layout, 0)
-    offsets, total = layout
-    return BuiltGemm(c, fn, None, 0, functools.partial(pack_own, c, offsets=offsets, total=total))
+        return BuiltGemm(c, fn, pack_own(c, _weight(graph, c)), 0)
+    return BuiltGemm(c, fn, None, 0, functools.partial(pack_own, c))
 
 
 def _weight(graph: Graph, k: GemmKernel) -> torch.Tensor:
