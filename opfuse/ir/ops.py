@@ -56,6 +56,8 @@ class OpInfo:
     keep: tuple[str, ...] = ()  # tensor args not cast to the compute dtype
     positional: bool = False  # the formula reads its element's position (_index=)
     index: Callable[..., tuple[Ix, ...]] | None = None  # views: out index -> input index
+    # views that are bijections: input index -> out index (out shape, then the op's args)
+    forward: Callable[..., tuple[Ix, ...]] | None = None
     reduction: Reduction | None = None
     # cat, constant_pad_nd: (read, out index, args) -> the element, read from one of the
     # inputs (read(node, index) -> Expr) or a constant
@@ -350,6 +352,36 @@ def ix_identity(out: Sequence[Ix], self: Any, *args: Any, **kwargs: Any) -> tupl
     return tuple(out)
 
 
+# -- where a view that is a bijection puts each element: input index -> output index -----
+def fw_reshape(
+    inp: Sequence[Ix], out_shape: Sequence[int], self: Any, *args: Any, **kwargs: Any
+) -> tuple[Ix, ...]:
+    """view, reshape, squeeze, unsqueeze: the same row-major order in another shape."""
+    return delinearize(linearize(inp, _shape(self)), out_shape)
+
+
+def fw_permute(
+    inp: Sequence[Ix], out_shape: Sequence[int], self: Any, dims: Sequence[int]
+) -> tuple[Ix, ...]:
+    return tuple(inp[_norm_dim(d, len(dims))] for d in dims)
+
+
+def fw_transpose(
+    inp: Sequence[Ix], out_shape: Sequence[int], self: Any, dim0: int, dim1: int
+) -> tuple[Ix, ...]:
+    return ix_transpose(inp, self, dim0, dim1)  # a swap undoes itself
+
+
+def fw_t(inp: Sequence[Ix], out_shape: Sequence[int], self: Any) -> tuple[Ix, ...]:
+    return ix_t(inp, self)
+
+
+def fw_identity(
+    inp: Sequence[Ix], out_shape: Sequence[int], self: Any, *args: Any, **kwargs: Any
+) -> tuple[Ix, ...]:
+    return tuple(inp)
+
+
 def ix_flip(out: Sequence[Ix], self: Any, dims: Sequence[int]) -> tuple[Ix, ...]:
     shape = _shape(self)
     flipped = {_norm_dim(d, len(shape)) for d in dims}
@@ -501,8 +533,10 @@ def pw(formula: Callable[..., Any], keep: tuple[str, ...] = ()) -> OpInfo:
     return OpInfo(E, formula, keep)
 
 
-def view(index: Callable[..., tuple[Ix, ...]]) -> OpInfo:
-    return OpInfo(Kind.INJECTIVE, index=index)
+def view(
+    index: Callable[..., tuple[Ix, ...]], forward: Callable[..., tuple[Ix, ...]] | None = None
+) -> OpInfo:
+    return OpInfo(Kind.INJECTIVE, index=index, forward=forward)
 
 
 def copy_view(index: Callable[..., tuple[Ix, ...]]) -> OpInfo:
@@ -665,21 +699,21 @@ OPS: dict[str, OpInfo] = {
     # rewrite/random.py's uniform numbers, computed where they are used
     "opfuse.rand.default": OpInfo(E, counter_rand, keep=("seed",), positional=True),
     # views: no data moves; fused groups read through their index maps
-    "aten.view.default": view(ix_view),
-    "aten._unsafe_view.default": view(ix_view),
-    "aten.reshape.default": view(ix_view),
-    "aten.permute.default": view(ix_permute),
-    "aten.transpose.int": view(ix_transpose),
-    "aten.t.default": view(ix_t),
+    "aten.view.default": view(ix_view, fw_reshape),
+    "aten._unsafe_view.default": view(ix_view, fw_reshape),
+    "aten.reshape.default": view(ix_view, fw_reshape),
+    "aten.permute.default": view(ix_permute, fw_permute),
+    "aten.transpose.int": view(ix_transpose, fw_transpose),
+    "aten.t.default": view(ix_t, fw_t),
     "aten.expand.default": view(ix_expand),
-    "aten.unsqueeze.default": view(ix_unsqueeze),
-    "aten.squeeze.dim": view(ix_squeeze),
-    "aten.squeeze.dims": view(ix_squeeze),
-    "aten.squeeze.default": view(ix_squeeze),
+    "aten.unsqueeze.default": view(ix_unsqueeze, fw_reshape),
+    "aten.squeeze.dim": view(ix_squeeze, fw_reshape),
+    "aten.squeeze.dims": view(ix_squeeze, fw_reshape),
+    "aten.squeeze.default": view(ix_squeeze, fw_reshape),
     "aten.slice.Tensor": view(ix_slice),
     "aten.select.int": view(ix_select),
-    "aten.alias.default": view(ix_identity),
-    "aten.detach.default": view(ix_identity),
+    "aten.alias.default": view(ix_identity, fw_identity),
+    "aten.detach.default": view(ix_identity, fw_identity),
     "aten.as_strided.default": view(ix_as_strided),
     "aten.unfold.default": view(ix_unfold),
     # data movement eager copies; fused kernels read through it like a view

@@ -318,10 +318,13 @@ class _Lowering:
 
         out_buffers: list[Buffer] = []
         roots: list[_Root] = []
+        carried = self._carried() if self.fixed_domain is not None else {}
         for k, o in enumerate(outs):
             m = o.tensor
             guard = None
-            if m.shape == self.full_shape:
+            if o in carried:
+                idx = carried[o]
+            elif m.shape == self.full_shape:
                 idx = self.full_index
             elif reductions and m.shape in (self._kept_shape(True), self._kept_shape(False)):
                 idx = self._kept_index(m.shape)
@@ -350,6 +353,35 @@ class _Lowering:
                 f"{len(self.recomputed)} broadcast values would be recomputed for every element"
             )
         return roots, out_buffers
+
+    def _carried(self) -> dict[Node, tuple[Ix, ...]]:
+        """Where each point of the fixed domain lands in the values computed from it: from
+        the values computed another way (the GEMM result, over the domain) through members
+        of the same shape and views that are bijections. An epilogue that stores each
+        result there reads only its own tile's results, where storing in the output's
+        row-major order would read a transpose of them (ConvNeXt's linear, scaled, then
+        permuted back to NCHW for the residual add)."""
+        at = {
+            n: self.full_index
+            for n in self.overrides
+            if isinstance(n.meta, TensorMeta) and n.meta.shape == self.full_shape
+        }
+        users = self.g.users
+        todo = list(at)
+        while todo:
+            n = todo.pop()
+            for u in users.get(n, ()):
+                if u in at or not isinstance(u.meta, TensorMeta):
+                    continue
+                row = info(u.op)
+                if u in self.members and row.pointwise and u.meta.shape == n.tensor.shape:
+                    at[u] = at[n]
+                elif row.forward is not None and u.args[0] is n:
+                    at[u] = row.forward(at[n], u.meta.shape, *u.args, **u.kw)
+                else:
+                    continue
+                todo.append(u)
+        return at
 
     def run(self) -> Kernel:
         roots, out_buffers = self._roots()
