@@ -38,7 +38,7 @@ def _compiled(m: nn.Module, x: torch.Tensor) -> Any:
 def test_matches_eager_over_shapes_and_layouts(
     m: int, k: int, n: int, transposed: bool, bias: bool, act: str, row_gap: int
 ) -> None:
-    """Rows and columns that are no multiple of the 8 x 32 register block, K no multiple
+    """Rows and columns that are no multiple of the 6 x 32 register block, K no multiple
     of its 32-product blocks, a Linear's transposed weight or a plain [K, N] one, an input
     whose rows lie further apart than K (a slice)."""
     torch.manual_seed(m * 1000 + k + n)
@@ -57,6 +57,39 @@ def test_matches_eager_over_shapes_and_layouts(
     assert_matches_eager(model, fast(x), (x,))
     x2 = torch.randn(m, k + row_gap)  # the packed weight is the one in the model
     assert_matches_eager(model, fast(x2), (x2,))
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    batch=st.integers(1, 5),
+    m=st.integers(1, 30),
+    k=st.integers(1, 100),
+    n=st.integers(1, 80),
+    transposed=st.booleans(),
+    scale=st.booleans(),
+)
+def test_a_b_the_graph_computes_is_packed_by_the_kernel(
+    batch: int, m: int, k: int, n: int, transposed: bool, scale: bool
+) -> None:
+    """Attention's bmms: B (K^T, a transposed view, or V) comes from the graph, and the
+    kernel packs it tile by tile on every call."""
+    torch.manual_seed(batch * 10000 + m * 100 + n)
+
+    def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        y = torch.bmm(a, b.transpose(1, 2) if transposed else b)
+        return y * 0.125 if scale else y
+
+    def inputs() -> tuple[torch.Tensor, torch.Tensor]:
+        b = torch.randn(batch, n, k) if transposed else torch.randn(batch, k, n)
+        return torch.randn(batch, m, k), b
+
+    model = Fn(f)
+    args = inputs()
+    fast = opfuse.compile(model.eval(), args, options=OWN)
+    used = [g.implementation for g in fast.report.groups if g.pattern != "elementwise"]
+    assert any(u.startswith("opfuse-gemm") for u in used), str(fast.report)
+    for a in (args, inputs()):  # other values, same kernel
+        assert_matches_eager(model, fast(*a), a)
 
 
 @pytest.mark.parametrize("m,k,n", [(64, 1536, 96), (7, 4000, 33), (128, 768, 3072)])
@@ -139,19 +172,23 @@ def test_torch_compile_inference_packs_parameters_and_follows_them() -> None:
         torch._dynamo.reset()
 
 
-def test_training_graphs_read_the_weights_as_they_are() -> None:
-    """A training forward's parameters change every step: no packed copy is kept."""
+def test_training_graphs_pack_their_weights_on_every_call(monkeypatch: Any) -> None:
+    """A training forward's parameters change every step: opfuse's GEMM packs them inside
+    the kernel on every call, and no packed copy is kept for the runtime to refresh."""
     from opfuse.frontend import dynamo
+    from opfuse.runtime import plan
 
+    kept: list[Any] = []
+    monkeypatch.setattr(plan, "Packed", lambda *a: kept.append(a))
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 8))
     ref = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 8))
     ref.load_state_dict(m.state_dict())
-    reports = []
+    reports: list[Any] = []
     dynamo._listeners.sinks = [reports]
     try:
         torch._dynamo.reset()
-        f = torch.compile(m, backend="opfuse")
+        f = torch.compile(m, backend="opfuse", options={"implementation": "opfuse-gemm"})
         opt, opt_ref = torch.optim.SGD(m.parameters(), 0.1), torch.optim.SGD(ref.parameters(), 0.1)
         for _ in range(3):
             x = torch.randn(8, 32)
@@ -161,7 +198,8 @@ def test_training_graphs_read_the_weights_as_they_are() -> None:
         for p, q in zip(m.parameters(), ref.parameters()):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
         used = [g.implementation for r in reports for g in r.groups]
-        assert not any(u.startswith("opfuse-gemm") for u in used), used
+        assert any(u.startswith("opfuse-gemm") for u in used), used
+        assert not kept
     finally:
         dynamo._listeners.sinks = []
         torch._dynamo.reset()

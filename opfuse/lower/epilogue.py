@@ -155,6 +155,12 @@ class GemmKernel:
         return "opfuse-gemm" if self.own else "blocked"
 
     @property
+    def packs_b(self) -> bool:
+        """opfuse's GEMM packing B itself, tile by tile on every call: B is computed by
+        the graph (attention's K and V) rather than a weight packed once."""
+        return self.own and not (self.spec.packable or self.spec.b_static)
+
+    @property
     def in_place(self) -> bool:
         """The GEMM writes its tiles straight into the output (no epilogue but the bias)."""
         g = next(b for b in self.epilogue.buffers if b.name == self.gemm_buffer)
@@ -172,13 +178,22 @@ class GemmKernel:
         return min(self.n_tiles, max(self.threads, os.cpu_count() or 1))
 
     @property
+    def pack_floats(self) -> int:
+        """The floats of B one thread packs for a tile, where opfuse's GEMM packs B itself:
+        the tile's panels of OWN_PANEL columns, K long."""
+        return self.spec.k * -(-self.tile_n // OWN_PANEL) * OWN_PANEL if self.packs_b else 0
+
+    @property
     def scratch_bytes(self) -> int:
-        """The GEMM results' scratch: a tile_m x tile_n slot per thread (none when the
-        tiles are computed in the output)."""
-        return 4 if self.in_place else 4 * self.slots * self.tile_m * self.tile_n
+        """The GEMM's scratch: a tile_m x tile_n slot of results per thread (none when the
+        tiles are computed in the output), then a packing area per thread where the kernel
+        packs B."""
+        tiles = 0 if self.in_place else self.slots * self.tile_m * self.tile_n
+        return 4 * max(1, tiles + self.slots * self.pack_floats)
 
 
 TILE_MAX_ELEMENTS = 1 << 19  # 2 MB of float32: a tile and its epilogue stay in L2
+OWN_PANEL = 32  # the columns of a panel of B packed for opfuse's GEMM (backends/c/gemm.py)
 
 
 def tiles(spec: GemmSpec, threads: int, epilogue: bool = True) -> tuple[int, int]:
@@ -254,12 +269,8 @@ def lower_blocked(graph: Graph, anchor: Node, members: Sequence[Node], threads: 
 
 def own_gemm(k: GemmKernel) -> GemmKernel:
     """The blocked GEMM with its tiles computed by opfuse's GEMM: it reads A row-major and
-    B from packed panels, so B must be a frozen weight (packed at compile time) or a
-    static input (packed by the runtime)."""
-    if not (k.spec.packable or k.spec.b_static):
-        raise NotFusable(
-            "opfuse's GEMM packs the weight: it must be a frozen constant or a parameter"
-        )
+    B from packed panels: a frozen weight packed at compile time, a static input packed by
+    the runtime when it changes, any other B packed by the kernel, tile by tile."""
     if k.spec.a.trans:
         raise NotFusable("opfuse's GEMM reads the input row-major, not transposed")
     return replace(k, own=True)

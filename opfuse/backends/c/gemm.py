@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ...lower.epilogue import TILE_COL, TILE_ROW, GemmKernel
+from ...lower.epilogue import OWN_PANEL, TILE_COL, TILE_ROW, GemmKernel
 from .emit import STORAGE, Emitter, emit_stores
 
 ROW_MAJOR, NO_TRANS, TRANS, PACKED, B_MATRIX = 101, 111, 112, 151, 162
@@ -43,7 +43,7 @@ typedef void (*opfuse_sgemm_t)(const char *, const char *, const int *, const in
 # each chain short: against float64, its max error was never above MKL's in 250 random
 # linears (docs/numerics.md). GNU C vectors, not intrinsics: any target gcc vectorises for;
 # the FMA is allowed here only (-ffp-contract=off elsewhere).
-OWN_NR = 32
+OWN_NR = OWN_PANEL
 OWN_GEMM = r"""
 #define OPFUSE_MR 6
 typedef float opfuse_v16 __attribute__((vector_size(64)));
@@ -103,6 +103,24 @@ static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
       memcpy(t, &s[i][0], 64);
       memcpy(t + 16, &s[i][1], 64);
       for (int j = 0; j < w; j++) c[i * ldc + j] = t[j];
+    }
+  }
+}
+
+/* B[k, j] (at b + k*sk + j*sn) for j < nn packed into panels of 32 columns, K x 32 each,
+   zero beyond nn: a B the graph computes (attention's K and V), packed per tile and call. */
+static void opfuse_gemm_pack(const float *restrict b, int64_t sk, int64_t sn,
+                             float *restrict bp, int64_t K, int nn) {
+  for (int p = 0; p * 32 < nn; p++) {
+    const int w = nn - p * 32 < 32 ? nn - p * 32 : 32;
+    float *restrict dst = bp + (int64_t)p * K * 32;
+    const float *restrict src = b + (int64_t)p * 32 * sn;
+    if (sn == 1) {
+      for (int64_t k = 0; k < K; k++)
+        for (int j = 0; j < 32; j++) dst[k * 32 + j] = j < w ? src[k * sk + j] : 0.0f;
+    } else {  /* B transposed: walk each column of B (a row of its storage) */
+      for (int j = 0; j < 32; j++)
+        for (int64_t k = 0; k < K; k++) dst[k * 32 + j] = j < w ? src[j * sn + k * sk] : 0.0f;
     }
   }
 }
@@ -296,6 +314,8 @@ def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> s
         if b.name == g and k.in_place:
             # the tiles are computed in the output itself; bias is added in place
             lines.append(f"  {t} *{b.name} = ({t} *)args[{out_of[b.value] + 2}];")
+            if k.packs_b:  # the scratch holds only the packing areas
+                lines.append(f"  float *restrict packing = (float *)args[{i + 2}];")
             continue
         writable = b.role == "out" or b.name == g
         const = "" if writable else "const "
@@ -303,7 +323,12 @@ def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> s
         name = f"{b.name}_slots" if local and b.name == g else b.name
         lines.append(f"  {const}{t} *{restrict}{name} = ({const}{t} *)args[{i + 2}];")
     fn_arg = len(epi.buffers) + 2
-    if k.own:
+    if k.packs_b and local:  # the packing areas follow the tile slots
+        tiles = k.slots * k.tile_m * k.tile_n
+        lines.append(f"  float *restrict packing = {g}_slots + {tiles};")
+    if k.packs_b:
+        pass  # B as the graph holds it, packed per tile below
+    elif k.own:
         assert packed_offsets is not None
         offs = ", ".join(str(o) for o in packed_offsets)
         lines.append(f"  static const int64_t packed_at[] = {{{offs}}};")
@@ -319,7 +344,7 @@ def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> s
     tiles_m = -(-s.m // k.tile_m)
     tiles_n = -(-s.n // k.tile_n)
     lines.append("  int err = 0;")
-    if local:
+    if local or k.packs_b:
         # no more threads than slots (the thread count may have grown since compiling)
         lines.append(f"  if (nthreads > {k.slots}) nthreads = {k.slots};")
     lines += [
@@ -339,7 +364,15 @@ def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> s
     else:
         lines.append(f"    float *tile = {g} + bb * {s.m * s.n} + {m0} * {s.n} + {n0};")
     a_off = f"bb * {s.a.batch_stride} + " + (m0 if s.a.trans else f"{m0} * {s.a.ld}")
-    if k.own:
+    b_off = f"bb * {s.b.batch_stride} + " + (f"{n0} * {s.b.ld}" if s.b.trans else n0)
+    if k.packs_b:
+        sk, sn = (1, s.b.ld) if s.b.trans else (s.b.ld, 1)
+        lines += [
+            f"    float *bp = packing + (int64_t)omp_get_thread_num() * {k.pack_floats};",
+            f"    opfuse_gemm_pack(B + {b_off}, {sk}, {sn}, bp, {s.k}, nn);",
+            f"    opfuse_gemm_tile(A + {a_off}, {s.a.ld}, bp, tile, {ldc}, mm, nn, {s.k});",
+        ]
+    elif k.own:
         lines.append(
             f"    opfuse_gemm_tile(A + {a_off}, {s.a.ld}, B + packed_at[tn], tile, {ldc}, "
             f"mm, nn, {s.k});"
@@ -350,7 +383,6 @@ def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> s
             f"A + {a_off}, {s.a.ld}, B + packed_at[tn], {s.k}, 0.0f, tile, {ldc});"
         )
     else:
-        b_off = f"bb * {s.b.batch_stride} + " + (f"{n0} * {s.b.ld}" if s.b.trans else n0)
         lines += [
             f"    const int K = {s.k}, lda = {s.a.ld}, ldb = {s.b.ld}, ldc = {ldc};",
             "    const float one = 1.0f, zero = 0.0f;",

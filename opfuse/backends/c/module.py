@@ -67,7 +67,9 @@ def _name(lowered: Lowered, tag: str) -> _Named:
                 out.kernels.append((tag + name, c))
             elif isinstance(c, GemmKernel):
                 offsets = None
-                if c.own:  # the rendered kernel's offsets; pack_own derives the same
+                if c.packs_b:
+                    pass  # the kernel packs B itself
+                elif c.own:  # the rendered kernel's offsets; pack_own derives the same
                     offsets, _ = own_layout(c)
                 elif c.spec.packable and can_pack():
                     offsets, total = pack_layout(c)
@@ -213,6 +215,8 @@ def _make_own_gemm(graph: Graph, c: GemmKernel, fn: Any) -> Built:
     """opfuse's GEMM (no library function): a frozen weight packed now; a parameter the
     graph takes as an input packed by the runtime on the first call, and again when it
     changes."""
+    if c.packs_b:
+        return BuiltGemm(c, fn, None, 0)
     if c.spec.packable:
         return BuiltGemm(c, fn, pack_own(c, _weight(graph, c)), 0)
     return BuiltGemm(c, fn, None, 0, functools.partial(pack_own, c))
