@@ -323,11 +323,10 @@ def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> s
         name = f"{b.name}_slots" if local and b.name == g else b.name
         lines.append(f"  {const}{t} *{restrict}{name} = ({const}{t} *)args[{i + 2}];")
     fn_arg = len(epi.buffers) + 2
-    if k.packs_b and local:  # the packing areas follow the tile slots
-        tiles = k.slots * k.tile_m * k.tile_n
-        lines.append(f"  float *restrict packing = {g}_slots + {tiles};")
-    if k.packs_b:
-        pass  # B as the graph holds it, packed per tile below
+    if k.packs_b:  # B as the graph holds it, packed per tile below
+        if local:  # the packing areas follow the tile slots
+            tiles = k.slots * k.tile_m * k.tile_n
+            lines.append(f"  float *restrict packing = {g}_slots + {tiles};")
     elif k.own:
         assert packed_offsets is not None
         offs = ", ".join(str(o) for o in packed_offsets)

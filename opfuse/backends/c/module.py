@@ -67,10 +67,9 @@ def _name(lowered: Lowered, tag: str) -> _Named:
                 out.kernels.append((tag + name, c))
             elif isinstance(c, GemmKernel):
                 offsets = None
-                if c.packs_b:
-                    pass  # the kernel packs B itself
-                elif c.own:  # the rendered kernel's offsets; pack_own derives the same
-                    offsets, _ = own_layout(c)
+                if c.own:  # the rendered kernel's offsets (pack_own derives the same);
+                    # none where the kernel packs B itself
+                    offsets = None if c.packs_b else own_layout(c)[0]
                 elif c.spec.packable and can_pack():
                     offsets, total = pack_layout(c)
                     out.layouts[(gid, cname)] = (offsets, total)
@@ -214,7 +213,7 @@ def _make_gemm(
 def _make_own_gemm(graph: Graph, c: GemmKernel, fn: Any) -> Built:
     """opfuse's GEMM (no library function): a frozen weight packed now; a parameter the
     graph takes as an input packed by the runtime on the first call, and again when it
-    changes."""
+    changes; any other B packed by the kernel on every call."""
     if c.packs_b:
         return BuiltGemm(c, fn, None, 0)
     if c.spec.packable:
