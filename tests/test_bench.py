@@ -153,3 +153,18 @@ def test_engines_run_a_model_when_installed() -> None:
     assert set(runners) == set(engines.available())
     for run in runners.values():
         assert engines._mismatch(run(), [m(x).detach()]) == ""
+
+
+def test_engines_leave_out_inputs_numpy_cannot_hold(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bfloat16 inputs have no numpy form: the engines are left out of that row with the
+    reason, the row itself runs (it raised TypeError before)."""
+    from opfuse.bench import engines
+
+    monkeypatch.setattr(engines, "available", lambda: ["onnxruntime", "openvino"])
+    monkeypatch.setattr(engines, "_export", lambda model, inputs, path: None)
+    m = torch.nn.Linear(4, 2).to(torch.bfloat16)
+    x = torch.randn(3, 4, dtype=torch.bfloat16)
+    runners, why = engines.prepare(m.eval(), (x,), m(x))
+    assert runners == {}
+    assert set(why) == {"onnxruntime", "openvino"}
+    assert all("no numpy form" in w for w in why.values()), why

@@ -42,7 +42,10 @@ def prepare(
         _export(model, inputs, path)
     except Exception as e:  # an export failure is the engines' gap, not the bench's
         return runners, {e2: f"torch.onnx.export failed: {_first_line(e)}" for e2 in engines}
-    feeds = [t.detach().cpu().contiguous().numpy() for t in inputs]
+    try:
+        feeds = [t.detach().cpu().contiguous().numpy() for t in inputs]
+    except TypeError as e:  # bfloat16 has no numpy dtype: the engines take numpy arrays
+        return runners, {name: f"inputs have no numpy form ({_first_line(e)})" for name in engines}
     want = _flat(expected)
     for name in engines:
         try:
