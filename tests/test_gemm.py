@@ -18,8 +18,8 @@ from tests.conftest import Fn, assert_matches_eager, assert_no_worse
 OWN = opfuse.Options(implementation="opfuse-gemm")
 
 
-def _compiled(m: nn.Module, x: torch.Tensor) -> Any:
-    fast = opfuse.compile(m.eval(), (x,), options=OWN)
+def _compiled(m: nn.Module, *args: torch.Tensor) -> Any:
+    fast = opfuse.compile(m.eval(), args, options=OWN)
     used = [g.implementation for g in fast.report.groups if g.pattern != "elementwise"]
     assert any(u.startswith("opfuse-gemm") for u in used), str(fast.report)
     return fast
@@ -85,9 +85,7 @@ def test_a_b_the_graph_computes_is_packed_by_the_kernel(
 
     model = Fn(f)
     args = inputs()
-    fast = opfuse.compile(model.eval(), args, options=OWN)
-    used = [g.implementation for g in fast.report.groups if g.pattern != "elementwise"]
-    assert any(u.startswith("opfuse-gemm") for u in used), str(fast.report)
+    fast = _compiled(model, *args)
     for a in (args, inputs()):  # other values, same kernel
         assert_matches_eager(model, fast(*a), a)
 
