@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ..ir.graph import TensorMeta
+from .arena import new_arena
 from .finite import FiniteGuard
 
 
@@ -158,8 +159,10 @@ _LIVE: weakref.WeakSet[Runtime] = weakref.WeakSet()
 
 def persistent_bytes() -> int:
     """Memory live runtimes keep between calls on this thread: pooled intermediates and
-    scratch, plus the recycled outputs they hold on to."""
+    scratch, the recycled outputs they hold on to, and their arenas' cached blocks."""
     total = 0
+    arenas = {id(rt.arena): rt.arena for rt in list(_LIVE) if rt.arena is not None}
+    total += sum(a.stats().cached for a in arenas.values())  # shared by threads: once
     for rt in list(_LIVE):
         f = rt._frame
         if not f.ready:
@@ -179,6 +182,8 @@ class Runtime:
         self.plan = plan
         self.guards = guards
         self._frame = _Frame()
+        # library outputs recycled between calls (arena.py); pooled blocks are not its
+        self.arena = new_arena() if plan.device == "cpu" else None
         _LIVE.add(self)
 
     def _prepare(self) -> _Frame:
@@ -263,6 +268,15 @@ class Runtime:
 
     def __call__(self, inputs: list[Any]) -> list[Any]:
         f = self._frame if self._frame.ready else self._prepare()
+        if self.arena is None:
+            return self._run(f, inputs)
+        token = self.arena.enter()
+        try:
+            return self._run(f, inputs)
+        finally:
+            self.arena.exit(token)
+
+    def _run(self, f: _Frame, inputs: list[Any]) -> list[Any]:
         plan = self.plan
         env: list[Any] = f.fixed.copy()
         for s, v in zip(plan.input_slots, inputs):

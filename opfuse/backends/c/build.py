@@ -377,3 +377,59 @@ def _cores() -> int:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+
+
+def build_torch_extension(source: str) -> ctypes.CDLL:
+    """Compile C++ that uses torch's C++ headers and libc10 (runtime/arena.cpp) with $CXX,
+    else c++/g++, for the torch in this process; cached like kernels, keyed by the source,
+    the compiler and torch. Raises BuildError where there is no C++ compiler, torch ships
+    no headers, or the build fails."""
+    import torch
+
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    root = Path(torch.__file__).parent
+    include, lib = root / "include", root / "lib"
+    if not cxx or shutil.which(cxx) is None:
+        raise BuildError("no C++ compiler found (set CXX or install g++)")
+    if not (include / "c10" / "core" / "Allocator.h").exists():
+        raise BuildError(f"torch at {root} ships no C++ headers")
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    flags = ["-O2", "-std=c++17", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
+    libs = [f"-L{lib}", "-lc10", f"-Wl,-rpath,{lib}"]
+    try:
+        version = _run([cxx, "--version"], timeout=PROBE_TIMEOUT).stdout.splitlines()[:1]
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise BuildError(f"C++ compiler {cxx!r} cannot run: {e}") from e
+    ident = "\0".join([cxx, *version, torch.__version__, str(root), *flags, source])
+    key = "ext-" + hashlib.sha256(ident.encode()).hexdigest()[:40]
+    d = cache_dir()
+    so, sig = d / f"{key}.so", d / f"{key}.sha256"
+    with _lock:
+        cached = _load_cached(so, sig)
+        if cached is not None and cached.handle is not None:
+            return cached.handle
+        fd, src = tempfile.mkstemp(suffix=".cpp", dir=d)
+        tmp_so = src[:-4] + ".so"
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(source)
+            try:
+                out = _run([cxx, *flags, "-I", str(include), src, "-o", tmp_so, *libs])
+            except (OSError, subprocess.TimeoutExpired) as e:
+                raise BuildError(f"{cxx} could not run: {e}") from e
+            if out.returncode != 0:
+                raise BuildError(f"{cxx} failed:\n{out.stderr.strip()[:2000]}")
+            os.chmod(tmp_so, 0o700)
+            fd2, tmp_sig = tempfile.mkstemp(suffix=".sha256", dir=d)
+            with os.fdopen(fd2, "w") as f:
+                f.write(_digest(Path(tmp_so)) + "\n")
+            os.replace(tmp_so, so)
+            os.replace(tmp_sig, sig)
+        finally:
+            for p in (src, tmp_so):
+                if os.path.exists(p):
+                    os.unlink(p)
+        try:
+            return ctypes.CDLL(str(so))
+        except OSError as e:
+            raise BuildError(f"the extension built by {cxx} does not load: {e}") from e
