@@ -117,8 +117,9 @@ def test_concurrent_builds_of_the_same_kernels(tmp_path) -> None:  # type: ignor
         out, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-2000:]
         assert out.split()[1] == "elementwise"
-    names = sorted(p.name[:4] for p in (tmp_path / "c").glob("*.so"))
-    assert len(names) == 2 and names[1] == "ext-"  # the kernels, the arena's allocator
+    libs = [p.name for p in (tmp_path / "c").glob("*.so")]
+    ext = [n for n in libs if n.startswith("ext-")]  # the arena's allocator, where it builds
+    assert len(libs) - len(ext) == 1 and len(ext) <= 1
     assert not list((tmp_path / "c").glob("tmp*"))  # no temporary files left behind
 
 
