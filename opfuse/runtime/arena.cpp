@@ -141,6 +141,8 @@ extern "C" {
 
 // Put the allocator in front of torch's CPU allocator; 1 when it is the one torch uses.
 int opfuse_arena_install(void) {
+  static std::mutex mu;  // (ctypes lets two threads in at once)
+  std::lock_guard<std::mutex> g(mu);
   if (allocator == nullptr) {
     base = c10::GetCPUAllocator();
     allocator = new ArenaAllocator();
