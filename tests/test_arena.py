@@ -149,3 +149,30 @@ def test_turned_off_by_environment() -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split()[-1] == "None"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_runs_and_frees() -> None:
+    # a DataLoader worker: the child inherits the allocator, the arenas and held outputs
+    m, fast, x = _compiled()
+    with torch.no_grad():
+        held = fast(x)
+        want = m(x)
+    pid = os.fork()
+    if pid == 0:  # the child: run, free what the parent's arena handed out, exit
+        code = 1
+        try:
+            # as a DataLoader worker does: libgomp's team does not survive a fork (the
+            # child's first parallel region waits forever, with torch alone too)
+            torch.set_num_threads(1)
+            with torch.no_grad():
+                ok = torch.allclose(fast(x), want, rtol=1e-4, atol=1e-4)
+            ok = ok and torch.allclose(held, want, rtol=1e-4, atol=1e-4)
+            del fast
+            gc.collect()
+            code = 0 if ok else 1
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+    torch.testing.assert_close(held, want)

@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <iterator>
 #include <mutex>
+#include <pthread.h>
 #include <unordered_map>
 #include <vector>
 
@@ -46,6 +47,17 @@ std::mutex table_mu;
 std::unordered_map<void*, Block>* table = new std::unordered_map<void*, Block>();  // never freed: deleters may run at exit
 thread_local Arena* active = nullptr;
 c10::Allocator* base = nullptr;
+// In a child of fork() (a DataLoader worker) an arena's lock may have been held by a thread
+// the child does not have: there blocks bypass the arenas, freed straight to the OS.
+bool forked = false;
+
+void before_fork() { table_mu.lock(); }  // the table is whole in the child
+void after_fork_parent() { table_mu.unlock(); }
+void after_fork_child() {
+  table_mu.unlock();
+  forked = true;
+  active = nullptr;
+}
 
 void unref(Arena* a, std::unique_lock<std::mutex>& lock) {
   bool last = --a->refs == 0;
@@ -72,6 +84,10 @@ void release(void* p) {
     b = it->second;
     table->erase(it);
   }
+  if (forked) {
+    std::free(p);
+    return;
+  }
   Arena* a = b.arena;
   std::unique_lock<std::mutex> lock(a->mu);
   a->live -= b.size;
@@ -87,7 +103,7 @@ void release(void* p) {
 struct ArenaAllocator final : c10::Allocator {
   c10::DataPtr allocate(size_t n) override {
     Arena* a = active;
-    if (a == nullptr || n < kMinBytes) return base->allocate(n);
+    if (a == nullptr || n < kMinBytes || forked) return base->allocate(n);
     size_t size = (n + kGranule - 1) / kGranule * kGranule;
     void* p = nullptr;
     {
@@ -147,6 +163,7 @@ int opfuse_arena_install(void) {
     base = c10::GetCPUAllocator();
     allocator = new ArenaAllocator();
     c10::SetCPUAllocator(allocator, /*priority=*/1);
+    pthread_atfork(before_fork, after_fork_parent, after_fork_child);
   }
   return c10::GetCPUAllocator() == allocator;
 }
@@ -156,6 +173,7 @@ void* opfuse_arena_new(void) { return new Arena(); }
 // Make `a` this thread's arena (nullptr: none); returns the one it replaces.
 void* opfuse_arena_enter(void* a) {
   Arena* prev = active;
+  if (forked) return prev;  // (its lock may be held by a thread this child lacks)
   active = static_cast<Arena*>(a);
   if (active != nullptr) {
     std::lock_guard<std::mutex> g(active->mu);
@@ -168,6 +186,7 @@ void opfuse_arena_exit(void* prev) { active = static_cast<Arena*>(prev); }
 
 // The handle is gone: free the cache; blocks still out are freed when they come back.
 void opfuse_arena_close(void* h) {
+  if (forked) return;  // the parent's to free
   Arena* a = static_cast<Arena*>(h);
   std::unique_lock<std::mutex> lock(a->mu);
   a->closed = true;
@@ -177,6 +196,8 @@ void opfuse_arena_close(void* h) {
 
 // fresh blocks, reused blocks, bytes cached, the cache's limit, most bytes out at once
 void opfuse_arena_stats(void* h, uint64_t* out) {
+  for (int i = 0; i < 5; i++) out[i] = 0;
+  if (forked) return;
   Arena* a = static_cast<Arena*>(h);
   std::lock_guard<std::mutex> g(a->mu);
   out[0] = a->fresh;
