@@ -10,13 +10,15 @@ then faults those pages in again (~1 us a page here). MobileNetV2 at batch 8, wh
 and 18-20 ms.
 
 `arena.cpp` puts an allocator in front of torch's CPU allocator. On a thread inside a
-compiled call (`Arena.enter`) it serves blocks of 64 KiB or more from that runtime's cache
-(the smallest freed block that fits, if under twice the size), else fresh; everywhere else
-it passes every request to the allocator it replaced. A freed block goes back to its
-arena's cache while the cache holds less than the most one call took (MobileNetV2 batch 8:
-111 MB cached, 51 MB out at once at most), else to the OS; the cache is freed with the
-runtime. Built with the C++ compiler against the headers of the torch in the process;
-where that fails (no compiler, no headers) or `OPFUSE_NO_ARENA=1`, calls run without it.
+compiled call (`Arena.enter`) it serves blocks of 64 KiB or more from the arena's cache
+(the block freed last that fits, if under twice the size), else fresh; everywhere else it
+passes every request to the allocator it replaced. A freed block goes back to the cache
+while the cache holds less than the most one call took (MobileNetV2 batch 8: 111 MB cached,
+51 MB out at once at most), else to the OS. The runtimes alive share one arena, freed when
+the last of them goes (a training step's backward reuses what its forward's saved tensors
+leave). A forked child bypasses it. Built with the C++ compiler against the headers of the
+torch in the process; where that fails (no compiler, no headers) or `OPFUSE_NO_ARENA=1`,
+calls run without it.
 """
 
 from __future__ import annotations
@@ -69,15 +71,15 @@ class ArenaStats:
 
 
 class Arena:
-    """One runtime's cache of freed blocks. `enter()` makes it the calling thread's until
-    `exit(token)`; calls on other threads may share it (the C side locks)."""
+    """A cache of freed blocks. `enter()` makes it the calling thread's until `exit(token)`;
+    calls on other threads may share it (the C side locks)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._lib = lib
         self.handle = lib.opfuse_arena_new()
         self.enter = functools.partial(lib.opfuse_arena_enter, self.handle)
         self.exit = lib.opfuse_arena_exit
-        # blocks still out when the runtime goes are freed when they come back
+        # blocks still out when the last runtime goes are freed when they come back
         weakref.finalize(self, lib.opfuse_arena_close, self.handle)
 
     def stats(self) -> ArenaStats:
@@ -86,7 +88,20 @@ class Arena:
         return ArenaStats(*out)
 
 
+_shared: weakref.ref[Arena] | None = None
+
+
 def new_arena() -> Arena | None:
-    """An arena for one runtime, or None where the allocator is not available."""
+    """The arena runtimes share (made anew once none holds it), or None where the
+    allocator is not available. One for all: a training step's backward then reuses the
+    blocks its forward's saved tensors leave (an arena each: the BatchNorm training step of
+    the memory bench needed 207 MB where 155 do)."""
+    global _shared
     lib = _library()
-    return Arena(lib) if lib is not None else None
+    if lib is None:
+        return None
+    arena = _shared() if _shared is not None else None
+    if arena is None:
+        arena = Arena(lib)
+        _shared = weakref.ref(arena)
+    return arena
