@@ -132,7 +132,15 @@ def test_training_through_torch_compile() -> None:
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
 
 
-def test_turned_off_by_environment() -> None:
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"OPFUSE_NO_ARENA": "1"},
+        {"CXX": "/nonexistent/c++"},  # no C++ compiler: a fresh cache has no allocator to load
+        {"CXX": "false"},  # one that fails
+    ],
+)
+def test_turned_off_or_unavailable(env: dict[str, str], tmp_path) -> None:  # type: ignore[no-untyped-def]
     child = (
         "import torch, opfuse; from tests.test_arena import _compiled; "
         "m, fast, x = _compiled(); "
@@ -144,7 +152,7 @@ def test_turned_off_by_environment() -> None:
         capture_output=True,
         text=True,
         timeout=300,
-        env={**os.environ, "OPFUSE_NO_ARENA": "1"},
+        env={**os.environ, "OPFUSE_CACHE_DIR": str(tmp_path), **env},
         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
     )
     assert out.returncode == 0, out.stderr[-2000:]

@@ -162,7 +162,7 @@ def persistent_bytes() -> int:
     scratch, the recycled outputs they hold on to, and their arenas' cached blocks."""
     total = 0
     arenas = {id(rt.arena): rt.arena for rt in list(_LIVE) if rt.arena is not None}
-    total += sum(a.stats().cached for a in arenas.values())  # shared by threads: once
+    total += sum(a.stats().cached for a in arenas.values())  # (runtimes share one)
     for rt in list(_LIVE):
         f = rt._frame
         if not f.ready:

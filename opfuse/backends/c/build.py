@@ -332,13 +332,7 @@ def _compile_units(
                     if proc.poll() is None:
                         _kill_group(proc)
             _check(tc, _run([tc.cc, *tc.flags, *objs, "-o", tmp_so, *tc.libs]))
-        os.chmod(tmp_so, 0o700)
-        digest = _digest(Path(tmp_so))
-        fd2, tmp_sig = tempfile.mkstemp(suffix=".sha256", dir=d)
-        with os.fdopen(fd2, "w") as f:
-            f.write(digest + "\n")
-        os.replace(tmp_so, so)  # atomic: readers see the old file or the new one
-        os.replace(tmp_sig, sig)
+        _publish(tmp_so, d, so, sig)
     finally:
         for w in written:
             for p in (w, w[:-2] + ".o"):
@@ -346,6 +340,17 @@ def _compile_units(
                     os.unlink(p)
         if tmp_so and os.path.exists(tmp_so):
             os.unlink(tmp_so)
+
+
+def _publish(tmp_so: str, d: Path, so: Path, sig: Path) -> None:
+    """Move a built library into the cache with the digest loading checks."""
+    os.chmod(tmp_so, 0o700)
+    digest = _digest(Path(tmp_so))
+    fd, tmp_sig = tempfile.mkstemp(suffix=".sha256", dir=d)
+    with os.fdopen(fd, "w") as f:
+        f.write(digest + "\n")
+    os.replace(tmp_so, so)  # atomic: readers see the old file or the new one
+    os.replace(tmp_sig, sig)
 
 
 def _check(tc: Toolchain, out: subprocess.CompletedProcess[str]) -> None:
@@ -419,12 +424,7 @@ def build_torch_extension(source: str) -> ctypes.CDLL:
                 raise BuildError(f"{cxx} could not run: {e}") from e
             if out.returncode != 0:
                 raise BuildError(f"{cxx} failed:\n{out.stderr.strip()[:2000]}")
-            os.chmod(tmp_so, 0o700)
-            fd2, tmp_sig = tempfile.mkstemp(suffix=".sha256", dir=d)
-            with os.fdopen(fd2, "w") as f:
-                f.write(_digest(Path(tmp_so)) + "\n")
-            os.replace(tmp_so, so)
-            os.replace(tmp_sig, sig)
+            _publish(tmp_so, d, so, sig)
         finally:
             for p in (src, tmp_so):
                 if os.path.exists(p):
