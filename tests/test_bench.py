@@ -44,6 +44,22 @@ def test_settled_timing_runs_each_candidate_right_before_its_timed_call() -> Non
     assert t["a"].reps == t["b"].reps == 3
 
 
+def test_a_gap_idles_before_each_candidates_calls(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the engines' thread pools spin after a call and slowed whichever candidate came next
+    from opfuse.bench import timing
+
+    events: list[str] = []
+    monkeypatch.setattr(timing.time, "sleep", lambda s: events.append(f"sleep {s}"))
+    timing.time_interleaved(
+        {"a": lambda: events.append("a"), "b": lambda: events.append("b")},
+        reps=2,
+        warmup=1,
+        settle=1,
+        gap=0.02,
+    )
+    assert events == ["a", "b"] + ["sleep 0.02", "a", "a", "sleep 0.02", "b", "b"] * 2
+
+
 def test_the_table_says_where_the_time_went_and_under_which_matmul_precision() -> None:
     from opfuse.bench.run import Result, _title, markdown
 

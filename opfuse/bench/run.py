@@ -28,6 +28,9 @@ from .memory import PRECISION_ENV
 from .tables import Result, markdown, plots, print_table
 from .timing import of, time_interleaved
 
+# Seconds of idling before each candidate's calls in a model row (timing.py)
+GAP = 0.02
+
 
 def machine(device: str = "cpu") -> str:
     if device != "cpu":
@@ -164,9 +167,16 @@ def run_inference(
     # timing.py); a micro case's working set is small next to what the rounds evict.
     # A model's settling call before each timed one also does the warm-up's work (its
     # weights back in cache); one warm-up call then pays the first call's one-time costs.
+    # Whole models also idle GAP between candidates: the engines' thread pools stop
+    # spinning (timing.py); the micro cases all run on OpenMP's one pool.
     whole = case.group == "model"
     res.timings = time_interleaved(
-        candidates, reps=reps, warmup=1 if whole else 3, settle=1 if whole else 0, device=device
+        candidates,
+        reps=reps,
+        warmup=1 if whole else 3,
+        settle=1 if whole else 0,
+        device=device,
+        gap=GAP if whole else 0.0,
     )
     res.copy = res.timings.pop("copy", None)
     for k in ("torch", "opfuse"):

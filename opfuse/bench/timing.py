@@ -5,7 +5,15 @@ With `settle`, each timed call follows that many untimed calls of the same candi
 timed call then finds its own weights in the last-level cache, as in a serving loop that
 runs one model back to back, instead of the previous candidate's. (Here the L3 is 480 MB and
 holds a whole BERT-base: alternating candidates made every call a cold one, and the same
-compiled module timed 108 ms right after inductor's and 99 ms right after itself.)"""
+compiled module timed 108 ms right after inductor's and 99 ms right after itself.)
+
+With `gap`, the machine idles that long before each candidate's calls: the engines run
+their own thread pools, whose threads spin for milliseconds after a call before they
+sleep, and in one process they took the CPUs from whichever candidate came next (OpenMP's
+after torch's calls, ONNX Runtime's after its own). MLP batch 1 in rounds of opfuse, ONNX
+Runtime, OpenVINO: 6.71 / 3.10 / 3.08 ms back to back, 2.35 / 2.42 / 2.86 with 10 ms
+between; MobileNetV2 batch 1: 8.53 / 7.09 / 3.94 against 3.86 / 2.29 / 2.38 with 20 ms.
+Each candidate's settling call then pays the threads' wake-up, not its timed one."""
 
 from __future__ import annotations
 
@@ -38,10 +46,11 @@ def time_interleaved(
     min_seconds: float = 0.0,
     settle: int = 0,
     device: str = "cpu",
+    gap: float = 0.0,
 ) -> dict[str, Timing]:
     """Time each zero-argument callable `reps` times, candidates interleaved; `settle`
-    untimed calls of a candidate go before each of its timed ones. On a GPU each call is
-    timed to the end of the work it queued."""
+    untimed calls of a candidate go before each of its timed ones, `gap` seconds of idling
+    before those. On a GPU each call is timed to the end of the work it queued."""
     if device != "cpu":
         candidates = {k: _synchronised(fn, device) for k, fn in candidates.items()}
     with torch.no_grad():
@@ -53,6 +62,8 @@ def time_interleaved(
         r = 0
         while r < reps or time.perf_counter() - start < min_seconds:
             for k, fn in candidates.items():
+                if gap:
+                    time.sleep(gap)
                 for _ in range(settle):
                     fn()
                 t0 = time.perf_counter()
