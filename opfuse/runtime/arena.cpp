@@ -5,8 +5,8 @@
 // 32 MiB) afresh on every allocation and hands freed heap back to the OS, so every call
 // faults those pages in again. This allocator wraps torch's: on a thread inside a compiled
 // call (an arena entered), blocks of at least kMinBytes come from the arena's cache of
-// blocks freed before, by size; everywhere else it passes every request to the allocator
-// it replaced. A freed block goes back to its arena's cache while the cache holds less
+// blocks freed before (the one freed last that fits, if under twice the size); everywhere
+// else it passes every request to the allocator it replaced. A freed block goes back to its arena's cache while the cache holds less
 // than one call's worth of allocations (the most one call took from it), else to the OS.
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
@@ -44,7 +44,8 @@ struct Block {
 };
 
 std::mutex table_mu;
-std::unordered_map<void*, Block>* table = new std::unordered_map<void*, Block>();  // never freed: deleters may run at exit
+// every block handed out, by address; never freed: deleters may run at exit
+std::unordered_map<void*, Block>* table = new std::unordered_map<void*, Block>();
 thread_local Arena* active = nullptr;
 c10::Allocator* base = nullptr;
 // In a child of fork() (a DataLoader worker) an arena's lock may have been held by a thread
