@@ -6,8 +6,9 @@
 // faults those pages in again. This allocator wraps torch's: on a thread inside a compiled
 // call (an arena entered), blocks of at least kMinBytes come from the arena's cache of
 // blocks freed before (the one freed last that fits, if under twice the size); everywhere
-// else it passes every request to the allocator it replaced. A freed block goes back to its arena's cache while the cache holds less
-// than one call's worth of allocations (the most one call took from it), else to the OS.
+// else it passes every request to the allocator it replaced. A freed block goes back to
+// its arena's cache while the cache holds less than one call's worth of allocations (the
+// most one call took from it), else to the OS.
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 

@@ -6,14 +6,14 @@ Fused kernels write into the plan's pool, but a library call allocates its outpu
 torch's CPU allocator, i.e. malloc, and glibc maps blocks above its mmap threshold (32 MiB
 at most) afresh on every allocation and hands freed heap tops back to the OS: each call
 then faults those pages in again (~1 us a page here). MobileNetV2 at batch 8, whose
-112 x 112 maps are up to 38.5 MB: 17-24k faults and 38-44 ms a call; with the arena none
-and 18-20 ms.
+112 x 112 maps are up to 38.5 MB: 17-24k faults and 38-49 ms a call; with the arena none
+and 20-24 ms.
 
 `arena.cpp` puts an allocator in front of torch's CPU allocator. On a thread inside a
 compiled call (`Arena.enter`) it serves blocks of 64 KiB or more from the arena's cache
 (the block freed last that fits, if under twice the size), else fresh; everywhere else it
 passes every request to the allocator it replaced. A freed block goes back to the cache
-while the cache holds less than the most one call took (MobileNetV2 batch 8: 111 MB cached,
+while the cache holds less than the most one call took (MobileNetV2 batch 8: 112 MB cached,
 51 MB out at once at most), else to the OS. The runtimes alive share one arena, freed when
 the last of them goes (a training step's backward reuses what its forward's saved tensors
 leave). A forked child bypasses it. Built with the C++ compiler against the headers of the
@@ -94,8 +94,8 @@ _shared: weakref.ref[Arena] | None = None
 def new_arena() -> Arena | None:
     """The arena runtimes share (made anew once none holds it), or None where the
     allocator is not available. One for all: a training step's backward then reuses the
-    blocks its forward's saved tensors leave (an arena each: the BatchNorm training step of
-    the memory bench needed 207 MB where 155 do)."""
+    blocks its forward's saved tensors leave, and several compiled models keep one cache,
+    not one each."""
     global _shared
     lib = _library()
     if lib is None:
