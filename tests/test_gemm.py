@@ -201,3 +201,45 @@ def test_training_graphs_pack_their_weights_on_every_call(monkeypatch: Any) -> N
     finally:
         dynamo._listeners.sinks = []
         torch._dynamo.reset()
+
+
+def test_sizes_compiled_apart_share_one_packed_weight(monkeypatch: Any) -> None:
+    """A graph compiled once per size (here: rows symbolic, so each size compiles) packs
+    each parameter once for all of its sizes, not once per size (BERT-base: 340 MB a
+    size), and packs it again once when it changes."""
+    from opfuse.backends.c import gemm
+    from opfuse.frontend import dynamo
+
+    packed: list[tuple[int, int]] = []
+    pack = gemm.OwnPack.__call__
+
+    def counting(self: gemm.OwnPack, weight: torch.Tensor) -> torch.Tensor:
+        packed.append((self.k, self.n))
+        return pack(self, weight)
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(64, 96), nn.Tanh(), nn.Linear(96, 40)).eval()
+    reports: list[Any] = []
+    dynamo._listeners.sinks = [reports]
+    try:
+        torch._dynamo.reset()
+        opts = {"implementation": "opfuse-gemm"}
+        f = torch.compile(m, backend="opfuse", dynamic=True, options=opts)
+        sizes = (16, 24, 40)
+        monkeypatch.setattr(gemm.OwnPack, "__call__", counting)
+        with torch.no_grad():
+            for rows in sizes:
+                x = torch.randn(rows, 64)
+                assert_matches_eager(m, f(x), (x,))
+            used = [g.implementation for r in reports for g in r.groups]
+            assert sum(u.startswith("opfuse-gemm") for u in used) == 2 * len(sizes), used
+            assert sorted(packed) == [(64, 96), (96, 40)], packed
+            packed.clear()
+            m[0].weight.mul_(-1.5)
+            for rows in sizes:
+                x = torch.randn(rows, 64)
+                assert_matches_eager(m, f(x), (x,))
+            assert packed == [(64, 96)], packed
+    finally:
+        dynamo._listeners.sinks = []
+        torch._dynamo.reset()

@@ -61,7 +61,8 @@ class Packed:
     """A weight the kernel reads packed (opfuse's GEMM), from a static input: packed on the
     first call and again whenever another tensor or new contents arrive (its storage or
     version counter moved). The packed copy keeps the tensor it came from alive, so no
-    other storage can take its place unseen."""
+    other storage can take its place unseen. Runtimes that pack one tensor alike (a graph
+    compiled for several sizes) share one packed copy, while any of them holds it."""
 
     def __init__(self, slot: int, pack: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.slot = slot
@@ -72,9 +73,29 @@ class Packed:
         key = (t.untyped_storage()._cdata, t.data_ptr(), t._version)
         state = self._state  # one read: another thread may replace it meanwhile
         if state is None or state[1:4] != key:
-            state = (t, *key, self.pack(t))
+            state = (t, *key, _shared_pack(self.pack, t, key))
             self._state = state
         return state[4].data_ptr()
+
+
+# Packed copies by (how, storage, address, version). An entry lives while a Packed holds
+# it, and that Packed holds the tensor it came from: its storage cannot be freed and its
+# address taken by another tensor while the entry can be found.
+_packs: weakref.WeakValueDictionary[Any, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def _shared_pack(
+    pack: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor, key: tuple[int, int, int]
+) -> torch.Tensor:
+    try:
+        full = (pack, *key)
+        hash(full)
+    except TypeError:  # a packing function that is not a value: nothing to share
+        return pack(t)
+    found = _packs.get(full)
+    if found is None:
+        found = _packs[full] = pack(t)
+    return found
 
 
 KernelArg = In | Out | Const | Scratch | Packed

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -269,23 +269,55 @@ def pack_own(k: GemmKernel, weight: torch.Tensor) -> torch.Tensor:
     """B (as the GEMM reads it: [K, N], its storage possibly transposed) packed for
     opfuse_gemm_tile: per column tile, panels of 32 columns, K x 32 each, zero-padded, at
     the offsets own_layout gives the rendered kernel."""
-    spec = k.spec
-    offsets, total = own_layout(k)
-    strides = (1, spec.b.ld) if spec.b.trans else (spec.b.ld, 1)
-    b = weight.as_strided((spec.k, spec.n), strides, weight.storage_offset())
-    buf = torch.empty(total, dtype=torch.float32)
-    for n0, off in zip(range(0, spec.n, k.tile_n), offsets):
-        nn = min(k.tile_n, spec.n - n0)
-        full, rest = divmod(nn, OWN_NR)
-        size = spec.k * OWN_NR
-        if full:  # the whole panels in one copy
-            block = buf[off : off + full * size].view(full, spec.k, OWN_NR)
-            block.copy_(b[:, n0 : n0 + full * OWN_NR].reshape(spec.k, full, OWN_NR).transpose(0, 1))
-        if rest:
-            tail = buf[off + full * size : off + (full + 1) * size].view(spec.k, OWN_NR)
-            tail[:, rest:] = 0
-            tail[:, :rest] = b[:, n0 + full * OWN_NR : n0 + nn]
-    return buf
+    return OwnPack.of(k)(weight)
+
+
+@dataclass(frozen=True)
+class OwnPack:
+    """How opfuse's GEMM reads one weight packed: equal packs of one tensor are equal
+    bytes, so the runtimes of a graph compiled per size share one packed copy
+    (runtime/execute.Packed) instead of one each (BERT-base: 340 MB per size)."""
+
+    k: int
+    n: int
+    trans: bool
+    ld: int
+    # (first column, columns) of each panel: column tiles of any multiple of 32 columns
+    # give the same panels, in the same places
+    panels: tuple[tuple[int, int], ...]
+    tile_n: int = field(compare=False)
+    offsets: tuple[int, ...] = field(compare=False)
+    total: int = field(compare=False)
+
+    @staticmethod
+    def of(kernel: GemmKernel) -> OwnPack:
+        spec = kernel.spec
+        offsets, total = own_layout(kernel)
+        tiles = [(n0, min(kernel.tile_n, spec.n - n0)) for n0 in range(0, spec.n, kernel.tile_n)]
+        panels = tuple(
+            (n0 + p, min(OWN_NR, nn - p)) for n0, nn in tiles for p in range(0, nn, OWN_NR)
+        )
+        return OwnPack(
+            spec.k, spec.n, spec.b.trans, spec.b.ld, panels, kernel.tile_n, tuple(offsets), total
+        )
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        strides = (1, self.ld) if self.trans else (self.ld, 1)
+        b = weight.as_strided((self.k, self.n), strides, weight.storage_offset())
+        buf = torch.empty(self.total, dtype=torch.float32)
+        for n0, off in zip(range(0, self.n, self.tile_n), self.offsets):
+            nn = min(self.tile_n, self.n - n0)
+            full, rest = divmod(nn, OWN_NR)
+            size = self.k * OWN_NR
+            if full:  # the whole panels in one copy
+                block = buf[off : off + full * size].view(full, self.k, OWN_NR)
+                panels = b[:, n0 : n0 + full * OWN_NR].reshape(self.k, full, OWN_NR)
+                block.copy_(panels.transpose(0, 1))
+            if rest:
+                tail = buf[off + full * size : off + (full + 1) * size].view(self.k, OWN_NR)
+                tail[:, rest:] = 0
+                tail[:, :rest] = b[:, n0 + full * OWN_NR : n0 + nn]
+        return buf
 
 
 def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> str:

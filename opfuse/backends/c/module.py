@@ -30,6 +30,7 @@ from .build import BuildError, Library, build
 from .gemm import (
     GEMM_TYPES,
     OWN_GEMM,
+    OwnPack,
     blas,
     can_pack,
     own_layout,
@@ -218,7 +219,7 @@ def _make_own_gemm(graph: Graph, c: GemmKernel, fn: Any) -> Built:
         return BuiltGemm(c, fn, None, 0)
     if c.spec.packable:
         return BuiltGemm(c, fn, pack_own(c, _weight(graph, c)), 0)
-    return BuiltGemm(c, fn, None, 0, functools.partial(pack_own, c))
+    return BuiltGemm(c, fn, None, 0, OwnPack.of(c))
 
 
 def _weight(graph: Graph, k: GemmKernel) -> torch.Tensor:
