@@ -33,6 +33,7 @@ from .decisions import (
 from .fusion.groups import Group, Partition
 from .ir.graph import CONSTANT, INPUT, Graph, GraphBuilder, Node, TensorMeta
 from .ir.ops import Kind, info
+from .ir.size import symbolic_text
 from .ir.uses import used_outside
 from .runtime.execute import Runtime
 from .runtime.heap import release_freed_memory
@@ -371,7 +372,11 @@ def tune(
                     built[g.id] = only
                 continue
             bar.update()
-            identity = [g.pattern, *module.signatures.get(g.id, []), *_io_signature(graph, g)]
+            # Sizes print as their symbols (ir/size.py): every size of a graph with
+            # symbolic sizes takes the choice its first size measured.
+            with symbolic_text():
+                io = _io_signature(graph, g)
+            identity = [g.pattern, *module.signatures.get(g.id, []), *io]
             key = decision_key([*identity, *sorted(makers)])
             d = Decision(force, {}) if force in makers else load_decision(key)
             cands = _made(makers, [d.choice]) if d is not None and d.choice in makers else {}

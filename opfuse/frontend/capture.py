@@ -29,7 +29,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 
 from ..ir.graph import GETITEM, INPUT, STATIC, Graph, GraphBuilder, Source, TensorMeta
-from . import structure
+from . import sizes, structure
 from .decompose import CALLER_ONEDNN, RECURRENT, decompositions, keep_whole
 
 aten = torch.ops.aten
@@ -285,6 +285,8 @@ def capture_fx(
     The arguments at the positions in `static` are the same tensors on every call (a
     module's parameters and buffers, as dynamo passes them): their input nodes say so."""
     vals = _propagate(gm, example_inputs)
+    symbolic = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
+    binding = sizes.bind(symbolic, example_inputs)
     placeholders: dict[str, Any] = {}
     positions: list[int] = []
     fixed: set[str] = set()
@@ -298,9 +300,9 @@ def capture_fx(
                 if k in static:
                     fixed.add(n.name)
             else:
-                placeholders[n.name] = ("value", v)
+                placeholders[n.name] = ("value", sizes.sized(v, n.meta.get("val"), binding))
             k += 1
-    graph, _ = _convert(gm, placeholders, [], vals, fixed)
+    graph, _ = _convert(gm, placeholders, [], vals, fixed, binding)
     return graph, positions
 
 
@@ -366,8 +368,25 @@ def _convert(
     input_roles: list[tuple[str, Any]],
     vals: dict[torch.fx.Node, Any] | None = None,
     static: Collection[str] = (),
+    binding: sizes.Binding | None = None,
 ) -> tuple[Graph, dict[torch.fx.Node, Any]]:
+    """`binding`: the values of the graph's size symbols at this call (frontend/sizes.py),
+    which make its symbolic sizes Sizes."""
     b = GraphBuilder()
+    bound = binding or {}
+
+    def meta_of(n: torch.fx.Node, v: Any) -> Any:
+        m = _meta(v)
+        val = n.meta.get("val")
+        if bound and isinstance(m, TensorMeta):
+            return sizes.sized_meta(m, val, bound)
+        if bound and isinstance(m, tuple) and isinstance(val, (tuple, list)):
+            return tuple(
+                sizes.sized_meta(x, y, bound) if isinstance(x, TensorMeta) else x
+                for x, y in zip(m, val)
+            )
+        return m
+
     env: dict[torch.fx.Node, Any] = {}
 
     def value_of(n: torch.fx.Node) -> Any:
@@ -385,7 +404,7 @@ def _convert(
             kind, payload = placeholders[n.name]
             if kind == "input":
                 kw = {STATIC: True} if n.name in static else None
-                env[n] = b.add(INPUT, (), kw, meta=_meta(value_of(n)), name=n.name)
+                env[n] = b.add(INPUT, (), kw, meta=meta_of(n, value_of(n)), name=n.name)
                 input_roles.append(payload)
             elif kind == "constant":
                 env[n] = b.constant(payload[1], _safe_name(payload[0]))
@@ -399,8 +418,8 @@ def _convert(
         elif n.op == "call_function":
             v = value_of(n)
             if not isinstance(v, (torch.Tensor, tuple, list)) and not _is_tensor_op(n):
-                # Size arithmetic on static shapes: a plain value.
-                env[n] = _concrete(v)
+                # Size arithmetic: a plain value (a Size where dynamo has it symbolic).
+                env[n] = sizes.sized(_concrete(v), n.meta.get("val"), bound)
                 continue
             op = _op_name(n.target)
             if op in _SKIP:
@@ -409,7 +428,7 @@ def _convert(
                 op,
                 arg(n.args),
                 {k: arg(v2) for k, v2 in n.kwargs.items()},
-                meta=_meta(v),
+                meta=meta_of(n, v),
                 name=n.name,
                 source=_source(n),
                 target=n.target,

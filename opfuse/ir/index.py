@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Union
 
+from .size import gcd
+
 
 @dataclass(frozen=True)
 class Var:
@@ -143,10 +145,8 @@ class Ix:
         """self == c*q + r with c dividing d and 0 <= r < c: then self // d == q // (d/c)
         and self % d == c*(q % (d/c)) + r. Finds the split a reshape produces, e.g.
         (3072*i + j) // (512*3072) == i // 512 for 0 <= j < 3072."""
-        import math
-
         for _, coef in self.terms:
-            c = math.gcd(d, abs(coef))
+            c = gcd(d, coef if coef > 0 else -coef)
             if c <= 1 or c == d:
                 continue
             q, r = self._split(c)

@@ -26,6 +26,7 @@ import torch
 from ..ir.combine import COMBINES, Combine, CombineRow
 from ..ir.index import Ix, Var
 from ..ir.scalar import Expr
+from ..ir.size import is_size
 from ..ir.strenum import StrEnum
 
 PARALLEL_MIN = 1 << 15  # elements below which a kernel runs on one thread
@@ -146,6 +147,8 @@ class Kernel:
     # the kernel run as these kernels, one after the other, each over one range of an outer
     # variable with its position tests decided (lower/unswitch.py); () runs it whole
     cases: tuple[Kernel, ...] = ()
+    # threads share the work or not, decided; None: by its size (`parallel`)
+    threads: bool | None = None
     notes: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
@@ -179,10 +182,23 @@ class Kernel:
         return n
 
     @property
+    def work(self) -> int:
+        """Elements of the domain (an ir.size.Size where the sizes are symbolic)."""
+        return self.outer_size * self.inner_size
+
+    @property
     def parallel(self) -> bool:
         """Whether threads share the work: below PARALLEL_MIN elements, waking the team
         costs more than it saves."""
-        return self.schedule.shared_rows or self.outer_size * self.inner_size >= PARALLEL_MIN
+        if self.threads is not None:
+            return self.threads
+        return self.schedule.shared_rows or self.work >= PARALLEL_MIN
+
+    @property
+    def parallel_at_run_time(self) -> bool:
+        """Whether the kernel decides `parallel` when it runs: its size is symbolic (one
+        kernel then serves the sizes on both sides of PARALLEL_MIN)."""
+        return self.threads is None and not self.schedule.shared_rows and is_size(self.work)
 
 
 def map_indices(

@@ -11,10 +11,10 @@ of h removes the rest. The schedule then merges back whatever every access walks
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import replace
 
 from ..ir.index import FloorDiv, Ix, Mod, Var
+from ..ir.size import gcd
 from .kernel import Kernel, map_indices
 
 MAX_SPLITS = 8  # nested views rarely take a variable apart more than twice
@@ -67,7 +67,7 @@ def _split_point(ixs: list[Ix], vars_: tuple[Var, ...], unit: set[Var]) -> tuple
                 lo, top = (atom.x - Ix.var(term) * c).bounds()
                 if lo < 0 or top >= c:
                     continue
-                m = atom.d // math.gcd(atom.d, c)
+                m = atom.d // gcd(atom.d, c)
                 short = term in unit and m < MIN_UNIT_SPLIT
                 if 1 < m < term.extent and term.extent % m == 0 and not short:
                     return term, m

@@ -38,6 +38,9 @@ class BuiltKernel:
     kernel: Kernel
     fn: Any
     anchor_call: BuiltCall | None = None  # how the anchor runs; None: with torch
+    # the graph's size symbols the kernel takes after its buffers, their values at this
+    # size (a graph with symbolic sizes: backends/c/module._sized)
+    sizes: tuple[int, ...] = ()
 
 
 @dataclass
@@ -52,6 +55,7 @@ class BuiltGemm:
     # B is a static input the kernel reads packed: how to pack it (on the first call and
     # whenever it changes; execute.Packed)
     pack: Callable[[torch.Tensor], torch.Tensor] | None = None
+    sizes: tuple[int, ...] = ()  # size symbols' values, after the library function's address
 
 
 @dataclass
@@ -245,6 +249,7 @@ def build_plan(graph: Graph, part: Partition, built: Mapping[int, Built]) -> Pla
             epi_args, epi_reads = p.kernel_args(k.epilogue, scratch=scratch)
             args += epi_args
             args.append(Const(b.gemm_fn))
+            args += [Const(int(v)) for v in b.sizes]
             p.kernel_step(k.name, b.fn, args, reads + epi_reads)
             p.produced(args)
         else:
@@ -253,6 +258,7 @@ def build_plan(graph: Graph, part: Partition, built: Mapping[int, Built]) -> Pla
             elif g.anchor is not None and g.pattern.epilogue:
                 p.torch_step(g.anchor)  # unfused: the library call, then the epilogue kernel
             args, reads = p.kernel_args(b.kernel)
+            args += [Const(int(v)) for v in b.sizes]
             p.kernel_step(b.kernel.name, b.fn, args, reads)
             pos = {buf.name: i for i, buf in enumerate(b.kernel.buffers)}
             step = p.steps[-1]

@@ -361,13 +361,13 @@ def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> s
             lines.append(f"  float *restrict packing = {g}_slots + {tiles};")
     elif k.own:
         assert packed_offsets is not None
-        offs = ", ".join(str(o) for o in packed_offsets)
+        offs = ", ".join(str(int(o)) for o in packed_offsets)
         lines.append(f"  static const int64_t packed_at[] = {{{offs}}};")
     elif packed_offsets is not None:
         lines.append(
             f"  const opfuse_sgemm_compute_t gemm = (opfuse_sgemm_compute_t)args[{fn_arg}];"
         )
-        offs = ", ".join(str(o) for o in packed_offsets)
+        offs = ", ".join(str(int(o)) for o in packed_offsets)
         lines.append(f"  static const int64_t packed_at[] = {{{offs}}};")
     else:
         lines.append(f"  const opfuse_sgemm_t gemm = (opfuse_sgemm_t)args[{fn_arg}];")

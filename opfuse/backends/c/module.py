@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from ...ir.graph import Graph, Node, bind
+from ...ir.size import plain_text, symbolic_text
 from ...lower.epilogue import (
     ADDITIVE,
     ERASES_NAN,
@@ -87,38 +88,41 @@ def build_modules(parts: Sequence[tuple[Graph, Lowered]]) -> list[Module]:
     """The kernels of several graphs built as one library (one compiler run): the static
     regions of a graph with symbolic sizes compile together. A Module per graph."""
     named = [_name(lowered, f"g{i}_" if i else "") for i, (_, lowered) in enumerate(parts)]
-    rendered: dict[str, str] = {}
-    for nm in named:
-        rendered.update({name: render_module([(name, k)]) for name, k in nm.kernels})
-        rendered.update({n: render_gemm(n, k, o) for n, k, o in nm.gemms})
-    # The layers of a deep model repeat the same kernels: compile each distinct one once
-    # (gcc time grows with the translation unit), and let equal candidates share it.
-    # A kernel's text without its own name is also its name-free signature (below).
-    canonical = {name: text.replace(name, "KERNEL") for name, text in rendered.items()}
-    first: dict[str, str] = {}  # canonical text -> the name that defines it
-    alias = {name: first.setdefault(text, name) for name, text in canonical.items()}
-    pieces = [rendered[n] for n in first.values()]
     header = GEMM_TYPES if any(nm.gemms for nm in named) else ""
     if any(k.own for nm in named for _, k, _ in nm.gemms):
         header += OWN_GEMM
-    lib = None
-    cached, problem = True, ""
-    missing: set[str] = set()  # kernels the compiler rejected: their groups run with torch
-    if pieces:
-        try:
-            lib = build(pieces, header)
-            cached = lib.cached
-        except BuildError as e:
-            problem = f"opfuse: kernels could not be built, running those ops with torch ({e})"
-        if lib is not None and lib.rejected:
-            defined = list(first.values())
-            missing = {defined[i] for i in lib.rejected}
-            problem = (
-                f"opfuse: {len(missing)} of {len(defined)} kernels could not be built "
-                f"({', '.join(sorted(missing))}), running those ops with torch ({lib.problem})"
-            )
-            if lib.handle is None:
-                lib = None
+    # Sizes printed as expressions first; should that source fail, as values (the form every
+    # graph with static sizes takes).
+    for symbolic in (True, False):
+        rendered, sized = _render(named, symbolic)
+        # The layers of a deep model repeat the same kernels: compile each distinct one
+        # once (gcc time grows with the translation unit), and let equal candidates share
+        # it. A kernel's text without its own name is also its name-free signature (below).
+        canonical = {name: text.replace(name, "KERNEL") for name, text in rendered.items()}
+        first: dict[str, str] = {}  # canonical text -> the name that defines it
+        alias = {name: first.setdefault(text, name) for name, text in canonical.items()}
+        pieces = [rendered[n] for n in first.values()]
+        lib = None
+        cached, problem = True, ""
+        missing: set[str] = set()  # kernels the compiler rejected: their groups run with torch
+        if pieces:
+            try:
+                lib = build(pieces, header)
+                cached = lib.cached
+            except BuildError as e:
+                problem = f"opfuse: kernels could not be built, running those ops with torch ({e})"
+            if lib is not None and lib.rejected:
+                defined = list(first.values())
+                missing = {defined[i] for i in lib.rejected}
+                problem = (
+                    f"opfuse: {len(missing)} of {len(defined)} kernels could not be built "
+                    f"({', '.join(sorted(missing))}), running those ops with torch "
+                    f"({lib.problem})"
+                )
+                if lib.handle is None:
+                    lib = None
+        if not problem or not any(sized.values()):
+            break
     modules = []
     for (graph, lowered), nm in zip(parts, named):
         names = {key: alias[n] for key, n in nm.names.items()}
@@ -133,9 +137,52 @@ def build_modules(parts: Sequence[tuple[Graph, Lowered]]) -> list[Module]:
                 text = canonical[kname] if kname else _describe(c)
                 sig.append(f"{cname}:{text}")
             mod.signatures[gid] = sig
-        _bind(mod, graph, lowered, names, nm.layouts, lib, missing)
+        _bind(mod, graph, lowered, names, nm.layouts, lib, missing, sized)
         modules.append(mod)
     return modules
+
+
+def _render(named: Sequence[_Named], symbolic: bool) -> tuple[dict[str, str], dict[str, Any]]:
+    """Each kernel's C by name, and the size symbols' values it takes (none unless
+    `symbolic`)."""
+    rendered: dict[str, str] = {}
+    sized: dict[str, tuple[int, ...]] = {}
+    for nm in named:
+        for name, k in nm.kernels:
+            render = functools.partial(render_module, [(name, k)])
+            rendered[name], sized[name] = (
+                _sized(name, render, len(k.buffers)) if symbolic else (plain(render), ())
+            )
+        for n, g, o in nm.gemms:
+            render = functools.partial(render_gemm, n, g, o)
+            rendered[n], sized[n] = (
+                _sized(n, render, 3 + len(g.epilogue.buffers)) if symbolic else (plain(render), ())
+            )
+    return rendered, sized
+
+
+def plain(render: Callable[[], str]) -> str:
+    with plain_text():
+        return render()
+
+
+def _sized(name: str, render: Callable[[], str], first: int) -> tuple[str, tuple[int, ...]]:
+    """A kernel's C with its Sizes printed as expressions of the graph's size symbols
+    (ir/size.py), which it reads from its arguments after its own `first` ones; and the
+    symbols' values at this size, in that order. Every size of a graph then renders the
+    same text wherever its decisions came out the same, built once."""
+    with symbolic_text() as seen:
+        text = render()
+    if not seen:
+        return text, ()
+    symbols = sorted(seen)
+    head = f"int {name}(void *const *args, int nthreads) {{"
+    assert head in text, head
+    reads = "".join(
+        f"\n  const int64_t {s} = (int64_t)(intptr_t)args[{first + j}];"
+        for j, s in enumerate(symbols)
+    )
+    return text.replace(head, head + reads, 1), tuple(seen[s] for s in symbols)
 
 
 def _bind(
@@ -146,6 +193,7 @@ def _bind(
     layouts: dict[tuple[int, str], tuple[list[int], int]],
     lib: Library | None,
     missing: set[str],
+    sized: dict[str, tuple[int, ...]],
 ) -> None:
     """How to make each candidate of each group, from the built library."""
     b = blas()
@@ -153,6 +201,7 @@ def _bind(
         makers: dict[str, Make] = {}
         for cname, c in cands.items():
             name = names.get((gid, cname), "")
+            sizes = sized.get(name, ())
             if c is None:
                 makers[cname] = _torch_runs
             elif isinstance(c, OneDnnPlan):
@@ -160,17 +209,17 @@ def _bind(
             elif lib is None or name in missing:
                 continue
             elif isinstance(c, Kernel):
-                makers[cname] = functools.partial(BuiltKernel, c, lib.fn(name))
+                makers[cname] = functools.partial(BuiltKernel, c, lib.fn(name), sizes=sizes)
             elif isinstance(c, PackedThenKernel) and name:
-                makers[cname] = functools.partial(_make_packed_then, graph, c, lib.fn(name))
+                makers[cname] = functools.partial(_make_packed_then, graph, c, lib.fn(name), sizes)
             elif isinstance(c, GemmKernel) and c.own:
-                makers[cname] = functools.partial(_make_own_gemm, graph, c, lib.fn(name))
+                makers[cname] = functools.partial(_make_own_gemm, graph, c, lib.fn(name), sizes)
             elif isinstance(c, GemmKernel) and b is not None:
                 layout = layouts.get((gid, cname))
                 fn_addr = b.sgemm_compute if layout is not None else b.sgemm
                 assert fn_addr is not None
                 makers[cname] = functools.partial(
-                    _make_gemm, graph, c, lib.fn(name), layout, fn_addr
+                    _make_gemm, graph, c, lib.fn(name), layout, fn_addr, sizes
                 )
         mod.candidates[gid] = makers
 
@@ -193,7 +242,9 @@ def _make_library_call(graph: Graph, c: OneDnnPlan, cname: str) -> Built:
     return call
 
 
-def _make_packed_then(graph: Graph, c: PackedThenKernel, fn: Any) -> Built:
+def _make_packed_then(
+    graph: Graph, c: PackedThenKernel, fn: Any, sizes: tuple[int, ...] = ()
+) -> Built:
     plain = OneDnnPlan(c.anchor, c.anchor)
     try:
         first = _LINEAR_CALLS.get(c.library, _linear_call)(graph, plain)
@@ -201,25 +252,30 @@ def _make_packed_then(graph: Graph, c: PackedThenKernel, fn: Any) -> Built:
         raise Unavailable(str(e)) from e
     if first is None:
         raise Unavailable(f"no packed {c.library} GEMM for {c.anchor.name}")
-    return BuiltKernel(c.kernel, fn, first)
+    return BuiltKernel(c.kernel, fn, first, sizes)
 
 
 def _make_gemm(
-    graph: Graph, c: GemmKernel, fn: Any, layout: tuple[list[int], int] | None, fn_addr: int
+    graph: Graph,
+    c: GemmKernel,
+    fn: Any,
+    layout: tuple[list[int], int] | None,
+    fn_addr: int,
+    sizes: tuple[int, ...] = (),
 ) -> Built:
     packed = pack_weight(c, _weight(graph, c), *layout) if layout is not None else None
-    return BuiltGemm(c, fn, packed, fn_addr)
+    return BuiltGemm(c, fn, packed, fn_addr, sizes=sizes)
 
 
-def _make_own_gemm(graph: Graph, c: GemmKernel, fn: Any) -> Built:
+def _make_own_gemm(graph: Graph, c: GemmKernel, fn: Any, sizes: tuple[int, ...] = ()) -> Built:
     """opfuse's GEMM (no library function): a frozen weight packed now; a parameter the
     graph takes as an input packed by the runtime on the first call, and again when it
     changes; any other B packed by the kernel on every call."""
     if c.packs_b:
-        return BuiltGemm(c, fn, None, 0)
+        return BuiltGemm(c, fn, None, 0, sizes=sizes)
     if c.spec.packable:
-        return BuiltGemm(c, fn, pack_own(c, _weight(graph, c)), 0)
-    return BuiltGemm(c, fn, None, 0, OwnPack.of(c))
+        return BuiltGemm(c, fn, pack_own(c, _weight(graph, c)), 0, sizes=sizes)
+    return BuiltGemm(c, fn, None, 0, OwnPack.of(c), sizes=sizes)
 
 
 def _weight(graph: Graph, k: GemmKernel) -> torch.Tensor:

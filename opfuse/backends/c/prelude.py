@@ -4,6 +4,8 @@ combine helpers. Everything is `static inline`, so unused helpers cost nothing."
 
 from __future__ import annotations
 
+from ...ir.size import C_HELPERS as SIZE_HELPERS
+
 _FLOAT_TYPES = ("float", "double")
 _INT_TYPES = ("int8_t", "int16_t", "int32_t", "int64_t", "uint8_t", "int", "bool")
 _SIGNED = ("int8_t", "int16_t", "int32_t", "int64_t")
@@ -230,6 +232,7 @@ static inline int64_t op_mix64(int64_t seed, int64_t counter) {
 
 def build_prelude(mvec: tuple[str, ...]) -> str:
     parts = [_HEAD, "#define OPFUSE_MAX_THREADS 1024\n", simd_declarations(mvec), _EXP, _MIX64]
+    parts.append(SIZE_HELPERS)
     parts += [_instantiate(_FLOAT_HELPERS, t) for t in _FLOAT_TYPES]
     parts += [_instantiate(_INT_HELPERS, t) for t in _INT_TYPES]
     parts += [

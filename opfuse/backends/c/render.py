@@ -10,8 +10,9 @@ integer division by zero happened (torch raises ZeroDivisionError there).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
-from ...lower.kernel import Kernel, Piece, Schedule, Store
+from ...lower.kernel import PARALLEL_MIN, Kernel, Piece, Schedule, Store
 from .columns import columns
 from .emit import STORAGE, Emitter, emit_checks, emit_stores, for_loop, invariant, simd_loop
 from .reductions import rows, split
@@ -58,6 +59,18 @@ def render_kernel(name: str, k: Kernel) -> str:
 
 
 def _body(k: Kernel, lines: list[str]) -> None:
+    if not k.parallel_at_run_time:
+        _schedule(k, lines)
+        return
+    # sizes known only when it runs: threads or not, chosen then
+    lines.append(f"  if ({k.work} >= {PARALLEL_MIN}) {{")
+    _schedule(replace(k, threads=True), lines)
+    lines.append("  } else {")
+    _schedule(replace(k, threads=False), lines)
+    lines.append("  }")
+
+
+def _schedule(k: Kernel, lines: list[str]) -> None:
     if k.schedule is Schedule.POINTWISE:
         _pointwise(k, lines)
     elif k.schedule is Schedule.ROWS:

@@ -1,0 +1,114 @@
+"""The symbolic sizes of a graph dynamo hands over, carried into its captured Graph.
+
+A graph with symbolic sizes is captured at the sizes of the call (capture.capture_fx).
+Each size, stride and size argument that dynamo knows as an expression of its symbols
+(`s0`, `768*s0`) becomes an `ir.size.Size`: the int of this call, which also prints as the
+expression when C is rendered, so every size renders the same kernels (ir/size.py says
+why that is sound). An expression is rebuilt from the symbols' values with Python
+arithmetic on Sizes, and kept only where it gives the value the call has.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import sympy
+import torch
+
+from ..ir.graph import TensorMeta
+from ..ir.size import Size
+
+Binding = dict[str, int]  # symbol name -> its value at this call
+
+
+def bind(placeholders: Sequence[Any], example_inputs: Sequence[Any]) -> Binding:
+    """Each symbol's value at this call, read where a graph input's size is the bare
+    symbol (dynamo makes every symbol some input's size or an int input)."""
+    out: Binding = {}
+    for val, given in zip(placeholders, example_inputs):
+        if isinstance(val, torch.SymInt) and isinstance(given, int):
+            _learn(out, val, given)
+        elif isinstance(val, torch.Tensor) and isinstance(given, torch.Tensor):
+            for s, g in zip((*val.shape, *val.stride()), (*given.shape, *given.stride())):
+                _learn(out, s, int(g))
+    return out
+
+
+def _learn(out: Binding, s: Any, value: int) -> None:
+    expr = getattr(getattr(s, "node", None), "expr", None)
+    if isinstance(expr, sympy.Symbol):
+        out.setdefault(str(expr), value)
+
+
+def sized(value: Any, symbolic: Any, binding: Binding) -> Any:
+    """`value` (a plain int) as a Size when `symbolic` is an expression of the bound
+    symbols that evaluates to it; else `value`."""
+    if not binding or not isinstance(value, int) or isinstance(value, bool):
+        return value
+    expr = getattr(getattr(symbolic, "node", None), "expr", None)
+    if expr is None or not getattr(expr, "free_symbols", None):
+        return value
+    try:
+        got = _evaluate(expr, binding)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return value
+    if isinstance(got, Size) and int(got) == value:
+        return got
+    return value
+
+
+def sized_meta(meta: TensorMeta, val: Any, binding: Binding) -> TensorMeta:
+    """meta with its sizes, strides and offset as Sizes where `val` (the fx node's
+    symbolic value) has them symbolic."""
+    if not binding or not isinstance(val, torch.Tensor) or val.dim() != meta.ndim:
+        return meta
+    shape = tuple(sized(v, s, binding) for v, s in zip(meta.shape, val.shape))
+    stride = tuple(sized(v, s, binding) for v, s in zip(meta.stride, val.stride()))
+    offset = sized(meta.offset, val.storage_offset(), binding)
+    return TensorMeta(shape, stride, meta.dtype, meta.device, offset)
+
+
+def sized_arg(value: Any, symbolic: Any, binding: Binding) -> Any:
+    """A node argument (an int, or a list of them: a view's sizes) with its symbolic
+    entries as Sizes."""
+    if isinstance(symbolic, (list, tuple)) and isinstance(value, (list, tuple)):
+        if len(symbolic) != len(value):
+            return value
+        return type(value)(sized_arg(v, s, binding) for v, s in zip(value, symbolic))
+    if isinstance(symbolic, torch.SymInt):
+        return sized(value, symbolic, binding)
+    return value
+
+
+_ARITH = {sympy.Add: operator.add, sympy.Mul: operator.mul}
+
+
+def _evaluate(expr: Any, binding: Binding) -> Any:
+    """expr evaluated with each symbol a Size: the result prints as expr in C."""
+    if isinstance(expr, sympy.Symbol):
+        return Size.symbol(str(expr), binding[str(expr)])
+    if isinstance(expr, sympy.Integer):
+        return int(expr)
+    for kind, fn in _ARITH.items():
+        if isinstance(expr, kind):
+            args = [_evaluate(a, binding) for a in expr.args]
+            acc = args[0]
+            for a in args[1:]:
+                acc = fn(acc, a)
+            return acc
+    if isinstance(expr, sympy.Pow) and isinstance(expr.exp, sympy.Integer) and expr.exp > 0:
+        base = _evaluate(expr.base, binding)
+        acc = base
+        for _ in range(int(expr.exp) - 1):
+            acc = acc * base
+        return acc
+    name = type(expr).__name__
+    if name in ("FloorDiv", "CleanDiv") and len(expr.args) == 2:
+        a, b = (_evaluate(x, binding) for x in expr.args)
+        return a // b
+    if name in ("Mod", "PythonMod") and len(expr.args) == 2:
+        a, b = (_evaluate(x, binding) for x in expr.args)
+        return a % b
+    raise ValueError(f"no C form for {name}")
