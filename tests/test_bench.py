@@ -184,3 +184,15 @@ def test_engines_leave_out_inputs_numpy_cannot_hold(monkeypatch: pytest.MonkeyPa
     assert runners == {}
     assert set(why) == {"onnxruntime", "openvino"}
     assert all("no numpy form" in w for w in why.values()), why
+
+
+def test_the_dynamic_table_counts_compiles_and_builds() -> None:
+    """A row of lengths says how many sizes compiled and how few C builds they took."""
+    from opfuse.bench.run import Result, markdown
+
+    row = Result("bert_base length 96", "dynamic")
+    row.compiles = {"opfuse": 2, "opfuse compiles": 4, "opfuse builds": 2}
+    row.compile_seconds = {"opfuse first": 0.4}
+    table = markdown([row], "t")
+    assert "| C builds |" in table
+    assert "| 2,  | 4 | 2 | 0.4, 0.0 |" in table, table

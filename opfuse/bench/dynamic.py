@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ..backends.c.build import compiler_runs
 from ..frontend.dynamo import compiles
 from . import models
 from .tables import Result
@@ -61,13 +62,14 @@ def run_generate(reps: int, new_tokens: int = 64, prompt_len: int = 16, layers: 
             torch._dynamo.reset()
             counter = _Counter(_backend(name))
             step = torch.compile(model, backend=counter, dynamic=dynamic)
-            before = compiles()
+            before, built = compiles(), compiler_runs()
             t0 = time.perf_counter()
             got = models.generate(step, prompt, new_tokens)
             res.compile_seconds[f"{name} first"] = time.perf_counter() - t0
             res.compiles[name] = counter.graphs
             if name == "opfuse":
                 res.compiles["opfuse compiles"] = compiles() - before
+                res.compiles["opfuse builds"] = compiler_runs() - built
             if not torch.equal(got, expected):
                 res.error = f"{name}: generated tokens differ from eager's"
                 return res
@@ -91,18 +93,20 @@ def run_lengths(reps: int, lengths: tuple[int, ...] = LENGTHS, layers: int = 12)
     torch._dynamo.reset()
     counter = _Counter(_backend("opfuse"))
     dyn = torch.compile(model, backend=counter, dynamic=True)
-    before = compiles()
+    before, builds = compiles(), 0
     out: list[Result] = []
     for s in lengths:
         res = Result(f"bert_base length {s}", "dynamic")
         x = inputs(s)
         with torch.no_grad():
             expected = model(*x)
-            t0 = time.perf_counter()
+            t0, built = time.perf_counter(), compiler_runs()
             got = dyn(*x)
             res.compile_seconds["opfuse first"] = time.perf_counter() - t0
+            builds += compiler_runs() - built  # the static compiles below build too
             res.compiles["opfuse"] = counter.graphs
             res.compiles["opfuse compiles"] = compiles() - before
+            res.compiles["opfuse builds"] = builds
             static = opfuse.compile(model, x)
         if not torch.allclose(got, expected, rtol=1e-3, atol=1e-3):
             res.error = f"length {s}: dynamic compile differs from eager"

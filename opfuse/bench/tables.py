@@ -303,12 +303,12 @@ def _dynamic_table(rows: list[Result]) -> list[str]:
     out = [
         "| new size every call | eager ms | inductor ms | opfuse ms | opfuse static ms "
         "| vs eager | vs inductor | vs opfuse static | graphs (opfuse, inductor) | opfuse compiles "
-        "| first call s (opfuse, inductor) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---|",
+        "| C builds | first call s (opfuse, inductor) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---|",
     ]
     for r in rows:
         if r.error:
-            out.append(f"| {r.case} | | | | | | | | | | **{r.error}** |")
+            out.append(f"| {r.case} | | | | | | | | | | | **{r.error}** |")
             continue
         t, c = r.timings, r.compile_seconds
         out.append(
@@ -318,6 +318,7 @@ def _dynamic_table(rows: list[Result]) -> list[str]:
             f"{_x(r.speedup('opfuse static'))} | "
             f"{r.compiles.get('opfuse', '')}, {r.compiles.get('inductor', '')} | "
             f"{r.compiles.get('opfuse compiles', '')} | "
+            f"{r.compiles.get('opfuse builds', '')} | "
             f"{c.get('opfuse first', 0):.1f}, {c.get('inductor first', 0):.1f} |"
         )
     out += [
@@ -325,7 +326,8 @@ def _dynamic_table(rows: list[Result]) -> list[str]:
         "graphs: graphs dynamo handed each backend over the whole row (none for a new size "
         "once one with symbolic sizes is compiled); opfuse compiles: opfuse's compiles in "
         "the row (a static graph, the static regions of a symbolic one together, each "
-        "size of one compiled per size). vs opfuse static: "
+        "size of one compiled per size); C builds: libraries the C compiler built for them "
+        "(sizes whose kernels render the same source share one, ir/size.py). vs opfuse static: "
         "the time of opfuse compiled for that length alone over the one compile's.",
         "",
     ]

@@ -29,6 +29,7 @@ from ..ir.combine import Combine
 from ..ir.graph import Node
 from ..ir.index import Var
 from ..ir.scalar import Expr, cast, sign, walk
+from ..ir.size import is_size
 
 SHORT_SUM = 16
 SUM_BLOCK = 512  # float32 values a one-signed sum folds before adding into float64
@@ -59,7 +60,13 @@ def short_sum(combine: Combine, dtype: torch.dtype, terms: int) -> bool:
     pooling window) errs as little as eager's float32 pooling, and float64 would halve the
     vector width and convert every term (PoolFormer's 3x3 average, NHWC 8x64x56x56:
     1.67 -> 1.06 ms)."""
-    return combine is Combine.SUM and dtype == torch.float32 and terms <= SHORT_SUM
+    # A sum over a symbolic length takes the form every length can take (ir/size.py).
+    return (
+        combine is Combine.SUM
+        and dtype == torch.float32
+        and terms <= SHORT_SUM
+        and not is_size(terms)
+    )
 
 
 def sum_in_runs(term: Expr) -> bool:

@@ -275,7 +275,16 @@ def _load_cached(so: Path, sig: Path) -> Library | None:
         return None
 
 
+_runs = [0]  # libraries the compiler built in this process (not found in the cache)
+
+
+def compiler_runs() -> int:
+    """How many libraries the C compiler built in this process."""
+    return _runs[0]
+
+
 def _compile(tc: Toolchain, head: str, pieces: list[str], d: Path, so: Path, sig: Path) -> None:
+    _runs[0] += 1
     with _compiler_faults(tc):
         _compile_units(tc, head, pieces, d, so, sig)
 
