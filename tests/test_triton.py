@@ -410,3 +410,43 @@ def test_auto_backend_is_triton_for_gpu_graphs() -> None:
     assert f.report.backend.startswith("triton (tensors on cuda")
     _check_steps(f)
     torch.testing.assert_close(f(x), (x.relu() * 2).softmax(-1))
+
+
+def test_symbolic_sizes_render_one_jit_function_for_every_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under dynamic=True each size compiles, and each renders the same @triton.jit
+    functions (sizes as parameters the launcher passes), so Triton compiles them once per
+    block shape; rows, row lengths and a softmax over the symbolic length match eager."""
+    from opfuse.backends.triton import build as triton_build
+
+    monkeypatch.setenv("OPFUSE_BACKEND", "triton")
+    sources: list[str] = []
+    real = triton_build.load
+
+    def keep(source: str) -> object:
+        sources.append(source)
+        return real(source)
+
+    monkeypatch.setattr(triton_build, "load", keep)
+
+    def fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = F.layer_norm(x + y.tanh(), (x.shape[-1],))
+        return torch.softmax(h @ h.transpose(0, 1), -1).sum(0) * 2
+
+    torch._dynamo.reset()
+    f = torch.compile(fn, backend="opfuse", dynamic=True)
+    with torch.no_grad():
+        for n in (70, 90, 100):
+            x, y = torch.randn(n, 24), torch.randn(n, 24)
+            torch.testing.assert_close(f(x, y), fn(x, y), rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+    jit = [_jit_functions(s) for s in sources]
+    assert len(jit) == 3 and jit[0] and jit[0] == jit[1] == jit[2]
+    assert any("opfuse_s" in j for j in jit[0])
+
+
+def _jit_functions(source: str) -> list[str]:
+    """The @triton.jit kernels of a generated module (launchers and helpers left out)."""
+    blocks = source.split("@triton.jit\n")[1:]
+    return [b.split("\n\n\n")[0] for b in blocks if b.split("(")[0].endswith("_kernel")]

@@ -164,9 +164,10 @@ def _compiler(
         fallback = generic
         _tell(
             f"graph with symbolic sizes ({', '.join(symbols(gm)) or 'strides'}): "
-            f"{share:.0%} of its ops have static sizes, so each size compiles as a static "
-            f"graph, up to {cache_limit}; one compile of its static regions serves the "
-            "sizes past them"
+            f"{share:.0%} of its ops have static sizes, so each size compiles, up to "
+            f"{cache_limit}, with the sizes as arguments of its kernels (sizes whose "
+            "size-dependent choices agree share one build and the first size's tuning); "
+            "one compile of its static regions serves the sizes past them"
         )
     runner = _GraphRunner(gm, example_inputs, opts, cache_limit, fallback, static=static)
     return make_boxed_func(lambda *a: runner(list(a)))

@@ -22,6 +22,7 @@ import torch
 from ...ir.combine import Family, Identity
 from ...ir.index import Ix, Var
 from ...ir.scalar import PRIMS, Expr, format_float
+from ...ir.size import symbolic_text
 from ...lower.kernel import Accumulate, Kernel, Pass, Store
 from ..common import IndexSyntax, Namer, index_text
 
@@ -53,6 +54,19 @@ class NotRenderable(Exception):
 
 # Helpers the formulas in scalar.PRIMS name (torch's semantics, as the C prelude has them).
 PRELUDE = """
+@triton.jit
+def opfuse_floordiv(a, b):
+    # a size expression's floor division (ir/size.py), b > 0: exact in C's and Python's
+    # conventions alike, whichever the integer // and % follow
+    r = ((a % b) + b) % b
+    return (a - r) // b
+
+
+@triton.jit
+def opfuse_floormod(a, b):
+    return ((a % b) + b) % b
+
+
 @triton.jit
 def op_max(a, b):
     # torch.maximum / relu / clamp: NaN in either operand gives NaN
@@ -271,22 +285,30 @@ class _Emitter(Namer):
 
 def render_kernel(name: str, k: Kernel) -> str:
     """The Triton source of kernel `k`: `{name}_kernel` (jit) and `{name}(args, nthreads)`,
-    the launcher the runtime calls with the kernel's buffers in order."""
+    the launcher the runtime calls with the kernel's buffers in order.
+
+    The jit function prints a graph's symbolic sizes (ir/size.py) as parameters, which the
+    launcher passes as this size's values: every size of the graph renders the same jit
+    function, which Triton compiles once per block shape and integer specialisation."""
     outer = k.outer_size
+    counter = [0]
+    body: list[str] = []
+    with symbolic_text() as seen:
+        if not k.inner:
+            xblock, rblock = min(XBLOCK_POINTWISE, _pow2(outer)), 1
+            _pointwise(k, body, counter)
+        else:
+            rblock = min(RBLOCK_MAX, _pow2(k.inner_size))
+            xblock = max(1, min(_pow2(outer), REDUCTION_TILE // rblock))
+            _rows(k, body, counter)
+    symbols = sorted(seen)
     lines = [f"# {name}: {', '.join(k.ops)}"]
     lines.append(f"# reads {k.bytes_read} bytes, writes {k.bytes_written} bytes")
     # a kernel dividing integers sets err[0] where a divisor is 0 (torch raises then)
-    params = ", ".join([b.name for b in k.buffers] + (["err"] if k.checks else []))
+    params = ", ".join([b.name for b in k.buffers] + symbols + (["err"] if k.checks else []))
     lines.append("@triton.jit")
     lines.append(f"def {name}_kernel({params}, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):")
-    counter = [0]
-    if not k.inner:
-        xblock, rblock = min(XBLOCK_POINTWISE, _pow2(outer)), 1
-        _pointwise(k, lines, counter)
-    else:
-        rblock = min(RBLOCK_MAX, _pow2(k.inner_size))
-        xblock = max(1, min(_pow2(outer), REDUCTION_TILE // rblock))
-        _rows(k, lines, counter)
+    lines += body
     grid = -(-outer // xblock)
     lines.append("")
     lines.append("")
@@ -295,9 +317,10 @@ def render_kernel(name: str, k: Kernel) -> str:
     if k.checks:
         lines.append("    err = torch.zeros(1, dtype=torch.int32, device=args[0].device)")
         err = ", err"
+    values = "".join(f", {seen[s]}" for s in symbols)
     lines.append(
-        f"    {name}_kernel[({grid},)](*args{err}, XBLOCK={xblock}, RBLOCK={rblock}, "
-        f"num_warps={NUM_WARPS})"
+        f"    {name}_kernel[({int(grid)},)](*args{values}{err}, XBLOCK={xblock}, "
+        f"RBLOCK={rblock}, num_warps={NUM_WARPS})"
     )
     lines.append("    return int(err.item())" if k.checks else "    return 0")
     return "\n".join(lines) + "\n"
