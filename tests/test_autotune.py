@@ -251,3 +251,26 @@ def test_a_damaged_decision_cache_is_ignored_with_one_warning_and_rewritten(
     assert len(data) >= 1
     again = opfuse.compile(m, (x,))  # the rewritten file serves the next compile, quietly
     assert "cached decision" in again.report.groups[0].implementation
+
+
+def test_the_decision_file_is_parsed_once_until_it_changes(
+    fresh_cache: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compile looks up a decision per tuned group: the file is read and checked once,
+    and again only when it changed (another process saved, or this one did)."""
+    fresh_cache.mkdir(parents=True)
+    store = fresh_cache / "decisions.json"
+    store.write_text('{"a": {"choice": "blocked", "seconds": {"blocked": 1.0}}}')
+    parsed: list[int] = []
+    real = decisions._parse_store
+    monkeypatch.setattr(decisions, "_parse_store", lambda p: parsed.append(1) or real(p))
+    for _ in range(5):
+        d = decisions.load_decision("a")
+        assert d is not None and d.choice == "blocked"
+    assert decisions.load_decision("b") is None
+    assert len(parsed) == 1
+    decisions.save_decision("b", decisions.Decision("unfused", {"unfused": 2.0}))
+    assert decisions.load_decision("b") is not None and decisions.load_decision("a") is not None
+    store.write_text('{"c": {"choice": "onednn", "seconds": {"onednn": 3.0}}}')  # elsewhere
+    assert decisions.load_decision("a") is None
+    assert decisions.load_decision("c") is not None

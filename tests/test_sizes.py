@@ -65,6 +65,9 @@ def test_printing_outside_rendering_shows_the_value() -> None:
         assert (str(n), f"{n:5d}") == ("(opfuse_s0 * 768)", "24576")
     assert seen == {"opfuse_s0": 32}
     assert gcd(768, s) is s and not isinstance(gcd(100, s), Size)  # 32 itself, then 4
+    with symbolic_text() as seen:  # a Size of another size: one value per symbol
+        assert (str(s), str(Size.symbol("s0", 64) + 1)) == ("opfuse_s0", "65")
+    assert seen == {"opfuse_s0": 32}
     assert n == 24576 and hash(n) == hash(24576) and {24576: 1}[n] == 1
 
 

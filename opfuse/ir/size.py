@@ -9,12 +9,12 @@ same source wherever its decisions came out the same, and the source is built on
 build cache is keyed by the source).
 
 Why this is sound whatever the decisions were: each size renders its own source, in which
-every printed expression evaluates, with that size's symbol values, to the value Python
-used. Two sizes share a library only when their sources are equal text, so the library
-computes, for each of them, what its own source does. Arithmetic on Sizes keeps the
-expression (+, -, *, //, %, negation); anything else (min/max return an operand; divmod,
-abs, bit operations) yields a plain int, printed as its value: correct, merely specific to
-that size.
+every printed expression evaluates, with the symbol values the kernel is passed (those of
+the Sizes it printed, never two for one symbol), to the value Python used. Two sizes share
+a library only when their sources are equal text, so the library computes, for each of
+them, what its own source does. Arithmetic on Sizes keeps the expression (+, -, *, //, %,
+negation); anything else (min/max return an operand; divmod, abs, bit operations) yields a
+plain int, printed as its value: correct, merely specific to that size.
 """
 
 from __future__ import annotations
@@ -56,11 +56,13 @@ class Size(int):
     # -- printing ------------------------------------------------------------------------
     def _shown(self) -> str:
         seen = _printing.get()
-        if seen is None:
+        if seen is None or any(seen.get(n, v) != v for n, v in self.leaves):
+            # A Size of another size where one symbol already printed with a different
+            # value (an interned expression of an earlier compile, equal in value): the
+            # value is what is meant.
             return int.__repr__(self)
         for name, value in self.leaves:
-            if seen.setdefault(name, value) != value:
-                raise ValueError(f"size symbol {name} printed with values {seen[name]}, {value}")
+            seen.setdefault(name, value)
         return self.text
 
     def __repr__(self) -> str:
