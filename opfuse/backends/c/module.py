@@ -99,8 +99,13 @@ def build_modules(parts: Sequence[tuple[Graph, Lowered]]) -> list[Module]:
         # once (gcc time grows with the translation unit), and let equal candidates share
         # it. A kernel's text without its own name is also its name-free signature (below).
         canonical = {name: text.replace(name, "KERNEL") for name, text in rendered.items()}
-        first: dict[str, str] = {}  # canonical text -> the name that defines it
-        alias = {name: first.setdefault(text, name) for name, text in canonical.items()}
+        # canonical text and size values -> the name that defines it: one text read with
+        # other values would be another kernel (ir/size.py: each kernel is passed the
+        # values of the Sizes it printed)
+        first: dict[tuple[str, Any], str] = {}
+        alias = {
+            name: first.setdefault((text, sized[name]), name) for name, text in canonical.items()
+        }
         pieces = [rendered[n] for n in first.values()]
         lib = None
         cached, problem = True, ""
