@@ -70,18 +70,6 @@ def sized_meta(meta: TensorMeta, val: Any, binding: Binding) -> TensorMeta:
     return TensorMeta(shape, stride, meta.dtype, meta.device, offset)
 
 
-def sized_arg(value: Any, symbolic: Any, binding: Binding) -> Any:
-    """A node argument (an int, or a list of them: a view's sizes) with its symbolic
-    entries as Sizes."""
-    if isinstance(symbolic, (list, tuple)) and isinstance(value, (list, tuple)):
-        if len(symbolic) != len(value):
-            return value
-        return type(value)(sized_arg(v, s, binding) for v, s in zip(value, symbolic))
-    if isinstance(symbolic, torch.SymInt):
-        return sized(value, symbolic, binding)
-    return value
-
-
 _ARITH = {sympy.Add: operator.add, sympy.Mul: operator.mul}
 
 
