@@ -227,3 +227,35 @@ def test_the_report_says_what_was_symbolic() -> None:
     r = FusionReport(dynamic=["graph with symbolic sizes (s0): 2 static regions"])
     merged = FusionReport().merge(r)
     assert ("dynamic", "graph with symbolic sizes (s0): 2 static regions") in notes(merged)
+
+
+def test_sizes_of_a_symbolic_graph_compile_past_eight_until_their_pools_fill(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """By default a graph with symbolic sizes compiles every size up to SIZES_LIMIT (they
+    share kernels and weights), until the kept sizes' memory pools reach POOL_BUDGET; an
+    explicit cache_limit is the count for every graph."""
+    import warnings
+
+    pipeline._warned.clear()
+    torch._dynamo.reset()
+    fn = lambda x: ((x * 2).relu() + 1).sum(-1) * x.amax(-1)
+    f = torch.compile(fn, backend="opfuse", dynamic=True)
+    before = dynamo.compiles()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no cache-limit warning
+        for n in range(2, 14):
+            x = torch.randn(n, 300)
+            torch.testing.assert_close(f(x), fn(x))
+    assert dynamo.compiles() - before == 12
+    torch._dynamo.reset()
+    monkeypatch.setattr(dynamo, "POOL_BUDGET", 1)  # full after the first size
+    pooled = lambda x: ((x * 2).relu() @ x.t()).sum(-1)  # the relu's output is pooled
+    f = torch.compile(pooled, backend="opfuse", dynamic=True)
+    before = dynamo.compiles()
+    with pytest.warns(RuntimeWarning, match="memory pools reach"):
+        for n in range(2, 6):
+            x = torch.randn(n, 300)
+            torch.testing.assert_close(f(x), pooled(x))
+    assert dynamo.compiles() - before == 1
+    torch._dynamo.reset()

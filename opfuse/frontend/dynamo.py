@@ -31,9 +31,14 @@ _listeners = threading.local()
 
 
 # Input signatures one graph compiles for, by default: dynamo hands graphs with symbolic
-# sizes after a recompile (automatic dynamic), and opfuse's kernels are static, so each new
-# size would be a compile of its own without a bound.
+# sizes after a recompile (automatic dynamic), and each new size is a compile of its own.
 CACHE_LIMIT = 8
+# A graph with symbolic sizes compiled per size: its sizes share kernels, tuning and packed
+# weights (ir/size.py, execute.Packed), so a size costs its plan's memory pool and about
+# half a second of compiling (BERT-base: 2-25 MB). More of them are kept, while their pools
+# stay under POOL_BUDGET bytes together.
+SIZES_LIMIT = 64
+POOL_BUDGET = 1 << 30
 
 _compiled = [0]  # graphs compiled in this process
 
@@ -59,12 +64,15 @@ class _GraphRunner:
         fallback: Callable[[list[Any]], Any] | None = None,
         compile_now: bool = True,
         static: frozenset[int] = frozenset(),
+        budget: int | None = None,
     ) -> None:
         self.gm = gm
         self.static = static  # inputs that are parameters (capture_fx)
         self.fallback = fallback
         self.options = options
         self.cache_limit = cache_limit
+        self.budget = budget  # bytes of memory pools the kept signatures may hold together
+        self.pooled = 0
         self.cache: dict[tuple[Any, ...], tuple[CompiledGraph, list[int]] | None] = {}
         if compile_now and not has_symbols(example_inputs) and cache_limit > 0:
             self._compile([_unit_strides(a) for a in example_inputs])
@@ -97,6 +105,7 @@ class _GraphRunner:
         """Serve calls with `args`' signature by `entry` (None: with torch)."""
         self.cache[self._key(args)] = entry
         if entry is not None:
+            self.pooled += sum(entry[0].run.plan.pool_sizes)
             for sink in getattr(_listeners, "sinks", []):
                 sink.append(entry[0].report)
 
@@ -105,7 +114,9 @@ class _GraphRunner:
         key = self._key(args)
         if key in self.cache:
             entry = self.cache[key]
-        elif len(self.cache) < self.cache_limit:
+        elif len(self.cache) < self.cache_limit and (
+            self.budget is None or self.pooled < self.budget
+        ):
             entry = self._compile(args)
         else:
             rest = (
@@ -113,9 +124,15 @@ class _GraphRunner:
                 if self.fallback is not None
                 else "with torch, unfused"
             )
+            full = (
+                f"{self.cache_limit} input shapes (cache_limit)"
+                if len(self.cache) >= self.cache_limit
+                else f"{len(self.cache)} input shapes, whose memory pools reach "
+                f"{self.pooled >> 20} MiB"
+            )
             warn_once(
-                f"opfuse: a graph was compiled for {self.cache_limit} input shapes "
-                f"(cache_limit); new ones run {rest}. Pad or bucket the inputs to a few "
+                f"opfuse: a graph was compiled for {full}; new ones run {rest}. Pad or "
+                "bucket the inputs to a few "
                 "sizes, or raise the limit: torch.compile(..., backend='opfuse', "
                 "options={'cache_limit': n})"
             )
@@ -146,16 +163,22 @@ def _compiler(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[Any],
     options: Options | None = None,
-    cache_limit: int = CACHE_LIMIT,
+    cache_limit: int | None = None,
     static: frozenset[int] = frozenset(),
 ) -> Callable[..., Any]:
     """`static`: the inputs that are the model's parameters and buffers, in an inference
     graph (opfuse's GEMM keeps a packed copy of such a weight, packed again when it
-    changes)."""
+    changes). `cache_limit` None: CACHE_LIMIT, or SIZES_LIMIT and POOL_BUDGET for a graph
+    with symbolic sizes."""
     from torch._functorch.aot_autograd import make_boxed_func
 
     opts = options or Options(freeze=False)
     fallback = None
+    budget = None
+    if cache_limit is None:
+        symbolic = has_symbols(example_inputs)
+        cache_limit = SIZES_LIMIT if symbolic else CACHE_LIMIT
+        budget = POOL_BUDGET if symbolic else None
     if has_symbols(example_inputs):
         generic = _Generic(gm, opts, static)
         share = static_share(gm)
@@ -169,7 +192,9 @@ def _compiler(
             "size-dependent choices agree share one build and the first size's tuning); "
             "one compile of its static regions serves the sizes past them"
         )
-    runner = _GraphRunner(gm, example_inputs, opts, cache_limit, fallback, static=static)
+    runner = _GraphRunner(
+        gm, example_inputs, opts, cache_limit, fallback, static=static, budget=budget
+    )
     return make_boxed_func(lambda *a: runner(list(a)))
 
 
@@ -263,7 +288,7 @@ def _forward_compiler(
     example_inputs: Sequence[Any],
     facts: Facts,
     options: Options | None = None,
-    cache_limit: int = CACHE_LIMIT,
+    cache_limit: int | None = None,
 ) -> Callable[..., Any]:
     """The forward's compiler. It also tells AOTAutograd that the backward donates no saved
     tensor: the runtime reuses one only when nothing else holds it (reference counts), so
@@ -292,7 +317,8 @@ def opfuse_backend(
 ) -> Any:
     """The torch.compile backend: forward and backward graphs both go through opfuse.
     `torch.compile(..., options={...})` takes `cache_limit` (input shapes compiled per
-    graph, default 8) and the fields of opfuse.Options."""
+    graph; by default CACHE_LIMIT, or SIZES_LIMIT within POOL_BUDGET for a graph with
+    symbolic sizes) and the fields of opfuse.Options."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -321,15 +347,16 @@ def opfuse_backend(
         return twice_differentiable(backend(gm, example_inputs), gm, facts)
 
 
-def backend_options(given: dict[str, Any]) -> tuple[Options, int]:
-    """torch.compile's `options` for this backend, checked: (Options, cache_limit)."""
+def backend_options(given: dict[str, Any]) -> tuple[Options, int | None]:
+    """torch.compile's `options` for this backend, checked: (Options, cache_limit or None
+    for the defaults)."""
     fields = {f.name for f in dataclasses.fields(Options)} - {"freeze"}
     unknown = sorted(set(given) - fields - {"cache_limit"})
     if unknown:
         valid = ", ".join(sorted(fields | {"cache_limit"}))
         raise ValueError(f"opfuse backend: unknown options {unknown}; valid: {valid}")
-    cache_limit = given.get("cache_limit", CACHE_LIMIT)
-    if not isinstance(cache_limit, int) or cache_limit < 0:
+    cache_limit = given.get("cache_limit")
+    if cache_limit is not None and (not isinstance(cache_limit, int) or cache_limit < 0):
         raise ValueError(f"opfuse backend: cache_limit must be a count >= 0, not {cache_limit!r}")
     opts = {k: v for k, v in given.items() if k != "cache_limit"}
     return Options(**opts, freeze=False), cache_limit
