@@ -121,9 +121,9 @@ _parsed: dict[str, tuple[tuple[int, int, int], dict[str, Any]]] = {}
 
 def _read_store(path: Path, copy: bool = True) -> dict[str, Any]:
     """The valid entries of the decisions file (a copy unless `copy` is False: then
-    read-only). A file that is no JSON object,
-    and entries of another shape, are ignored with one warning and left out of the next
-    save: a damaged file must not stop tuning (or compiling) for good."""
+    read-only). A file that is no JSON object, and entries of another shape, are ignored
+    with one warning and left out of the next save: a damaged file must not stop tuning
+    (or compiling) for good."""
     try:
         st = path.stat()
     except FileNotFoundError:

@@ -174,12 +174,11 @@ def _compiler(
 
     opts = options or Options(freeze=False)
     fallback = None
-    budget = None
+    symbolic = has_symbols(example_inputs)
+    budget = POOL_BUDGET if symbolic and cache_limit is None else None
     if cache_limit is None:
-        symbolic = has_symbols(example_inputs)
         cache_limit = SIZES_LIMIT if symbolic else CACHE_LIMIT
-        budget = POOL_BUDGET if symbolic else None
-    if has_symbols(example_inputs):
+    if symbolic:
         generic = _Generic(gm, opts, static)
         share = static_share(gm)
         if share >= GENERIC_SHARE:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +31,18 @@ _printing: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVa
 )
 
 PREFIX = "opfuse_"  # C names of the symbols: no collision with the kernels' own names
+
+
+def _operator(op: str, fn: Any) -> tuple[Any, Any]:
+    """A binary operator of Size and its reflected form, both keeping the expression."""
+
+    def left(self: Any, other: Any) -> Any:
+        return _combine(self, other, op, fn)
+
+    def right(self: Any, other: Any) -> Any:
+        return _combine(other, self, op, fn)
+
+    return left, right
 
 
 class Size(int):
@@ -74,35 +87,11 @@ class Size(int):
         return int.__format__(int(self), spec) if spec else self._shown()
 
     # -- arithmetic keeps the expression -------------------------------------------------
-    def __add__(self, other: Any) -> Any:
-        return _combine(self, other, "+", int.__add__)
-
-    def __radd__(self, other: Any) -> Any:
-        return _combine(other, self, "+", int.__add__)
-
-    def __sub__(self, other: Any) -> Any:
-        return _combine(self, other, "-", int.__sub__)
-
-    def __rsub__(self, other: Any) -> Any:
-        return _combine(other, self, "-", int.__sub__)
-
-    def __mul__(self, other: Any) -> Any:
-        return _combine(self, other, "*", int.__mul__)
-
-    def __rmul__(self, other: Any) -> Any:
-        return _combine(other, self, "*", int.__mul__)
-
-    def __floordiv__(self, other: Any) -> Any:
-        return _combine(self, other, "//", int.__floordiv__)
-
-    def __rfloordiv__(self, other: Any) -> Any:
-        return _combine(other, self, "//", int.__floordiv__)
-
-    def __mod__(self, other: Any) -> Any:
-        return _combine(self, other, "%", int.__mod__)
-
-    def __rmod__(self, other: Any) -> Any:
-        return _combine(other, self, "%", int.__mod__)
+    __add__, __radd__ = _operator("+", int.__add__)
+    __sub__, __rsub__ = _operator("-", int.__sub__)
+    __mul__, __rmul__ = _operator("*", int.__mul__)
+    __floordiv__, __rfloordiv__ = _operator("//", int.__floordiv__)
+    __mod__, __rmod__ = _operator("%", int.__mod__)
 
     def __neg__(self) -> Any:
         return Size(-int(self), f"(-{self.text})", self.leaves)
@@ -110,18 +99,10 @@ class Size(int):
     def __pos__(self) -> Any:
         return self
 
-    def __int__(self) -> int:
-        return int.__int__(self)
-
-    def __index__(self) -> int:
-        return int.__index__(self)
-
 
 def gcd(a: int, b: int) -> int:
     """math.gcd that returns an operand (a Size keeps its expression) when it is the
     result."""
-    import math
-
     g = math.gcd(a, b)
     for x in (a, b):
         if x == g and isinstance(x, Size):
@@ -177,16 +158,6 @@ def symbolic_text() -> Iterator[dict[str, int]]:
     token = _printing.set(seen)
     try:
         yield seen
-    finally:
-        _printing.reset(token)
-
-
-@contextlib.contextmanager
-def plain_text() -> Iterator[None]:
-    """Print Sizes as their values inside (Triton's source, which takes no symbols)."""
-    token = _printing.set(None)
-    try:
-        yield
     finally:
         _printing.reset(token)
 

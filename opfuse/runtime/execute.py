@@ -87,11 +87,7 @@ _packs: weakref.WeakValueDictionary[Any, torch.Tensor] = weakref.WeakValueDictio
 def _shared_pack(
     pack: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor, key: tuple[int, int, int]
 ) -> torch.Tensor:
-    try:
-        full = (pack, *key)
-        hash(full)
-    except TypeError:  # a packing function that is not a value: nothing to share
-        return pack(t)
+    full = (pack, *key)  # packs compare as values (gemm.OwnPack)
     found = _packs.get(full)
     if found is None:
         found = _packs[full] = pack(t)

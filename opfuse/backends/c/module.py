@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ...ir.graph import Graph, Node, bind
-from ...ir.size import plain_text, symbolic_text
+from ...ir.size import symbolic_text
 from ...lower.epilogue import (
     ADDITIVE,
     ERASES_NAN,
@@ -156,19 +156,14 @@ def _render(named: Sequence[_Named], symbolic: bool) -> tuple[dict[str, str], di
         for name, k in nm.kernels:
             render = functools.partial(render_module, [(name, k)])
             rendered[name], sized[name] = (
-                _sized(name, render, len(k.buffers)) if symbolic else (plain(render), ())
+                _sized(name, render, len(k.buffers)) if symbolic else (render(), ())
             )
         for n, g, o in nm.gemms:
             render = functools.partial(render_gemm, n, g, o)
             rendered[n], sized[n] = (
-                _sized(n, render, 3 + len(g.epilogue.buffers)) if symbolic else (plain(render), ())
+                _sized(n, render, 3 + len(g.epilogue.buffers)) if symbolic else (render(), ())
             )
     return rendered, sized
-
-
-def plain(render: Callable[[], str]) -> str:
-    with plain_text():
-        return render()
 
 
 def _sized(name: str, render: Callable[[], str], first: int) -> tuple[str, tuple[int, ...]]:
