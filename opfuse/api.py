@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -15,11 +16,18 @@ from torch.utils import _pytree as pytree
 
 from .frontend import structure
 from .frontend.capture import Captured, CaptureError, capture_module
+from .frontend.symbolic import DimSpec, Family, changed_dims, export_family, given_dims
 from .frontend.watch import ParameterWatch
 from .options import Options
 from .pipeline import CompiledGraph, compile_graph, warn_once
 from .report.make import count_kernels
 from .report.tables import FusionReport, RejectReport
+
+log = logging.getLogger("opfuse")
+
+# Exports with symbolic sizes one compiled module tries: a second one when inputs change
+# dims the first kept static (a batch size after sequence lengths).
+MAX_EXPORTS = 2
 
 
 class RecompileError(RuntimeError):
@@ -123,7 +131,8 @@ class CompiledModule(torch.nn.Module):
         kwargs: dict[str, Any],
         options: Options,
         recompile: bool,
-        cache_limit: int = 8,
+        cache_limit: int | None = None,
+        dynamic_shapes: Any = None,
     ) -> None:
         super().__init__()
         # Not a registered submodule: .to()/.train() on this wrapper must not touch the
@@ -145,6 +154,12 @@ class CompiledModule(torch.nn.Module):
         self._reuse: dict[tuple[Any, ...], Captured] = {}
         # the buffers the graphs update (eager updates the model's), shared by all entries
         self._state: dict[str, torch.Tensor] = {}
+        # One export with symbolic sizes serves input shapes that differ in tensor sizes
+        # (frontend/symbolic.py): made with `dynamic_shapes`, or on the first shape that
+        # differs from the first compiled one, with the dims that changed.
+        self._dynamic_shapes = dynamic_shapes
+        self._family: Family | None = None
+        self._exports = 0  # exports with symbolic sizes tried
         self._first = self._compile(args, kwargs)
 
     @property
@@ -161,6 +176,8 @@ class CompiledModule(torch.nn.Module):
         new.__dict__["_model"] = copy.deepcopy(self.__dict__["_model"], memo)
         new._options, new._recompile = self._options, self._recompile
         new._cache_limit = self._cache_limit
+        # the export holds this module's weights: the copy exports its own when it needs one
+        new._dynamic_shapes, new._family, new._exports = self._dynamic_shapes, None, 0
         new._kw_order = list(self._kw_order)
         new._lock, new._dynamo = threading.Lock(), None
         new._entries = {}
@@ -187,14 +204,17 @@ class CompiledModule(torch.nn.Module):
 
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Entry:
         model = self.__dict__["_model"]
-        sig = _signature(self._flat(args, kwargs))
-        captured = self._reuse.pop(sig, None) or capture_module(model, args, kwargs)
+        leaves = self._flat(args, kwargs)
+        sig = _signature(leaves)
+        captured = self._reuse.pop(sig, None) or self._capture(model, args, kwargs, leaves)
         for k, v in captured.state.items():
             captured.state[k] = self._state.setdefault(k, v)
         compiled: CompiledGraph | None
         try:
             compiled = compile_graph(captured.graph, self._options, captured.eager_kernels)
             report = compiled.report
+            if captured.dynamic:
+                report.dynamic.append(captured.dynamic)
         except Exception as e:  # a bug of ours must not stop a model eager runs
             message = _fallback_message(e)
             warn_once(message)
@@ -205,6 +225,65 @@ class CompiledModule(torch.nn.Module):
         self._entries[sig] = entry
         self._watch = ParameterWatch(model, self._frozen())
         return entry
+
+    def _capture(
+        self,
+        model: torch.nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        leaves: list[Any],
+    ) -> Captured:
+        """The model traced for these inputs: from the export with symbolic sizes when it
+        admits them, else by an export of their own."""
+        family = self._family_for(model, args, kwargs, leaves)
+        if family is not None:
+            try:
+                return family.capture(leaves)
+            except CaptureError as e:
+                if self._dynamic_shapes is not None:
+                    warn_once(f"opfuse: {e}; this input shape is exported on its own")
+                else:
+                    log.debug("input shape not captured from the symbolic export: %s", e)
+        return capture_module(model, args, kwargs)
+
+    def _family_for(
+        self,
+        model: torch.nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        leaves: list[Any],
+    ) -> Family | None:
+        """The export with symbolic sizes to capture these inputs from, exported now if
+        there is none yet, or if they change dims it keeps static (twice at most)."""
+        family = self._family
+        if family is not None and family.admits(leaves):
+            return family
+        ordered = {k: kwargs[k] for k in self._kw_order if k in kwargs}
+        ordered.update({k: v for k, v in kwargs.items() if k not in ordered})
+        dims: list[DimSpec] | None
+        if self._dynamic_shapes is not None and family is None:
+            dims = given_dims(model, args, ordered, self._dynamic_shapes)
+        elif self._entries:
+            dims = changed_dims(next(iter(self._entries)), leaves)
+            if dims is not None and family is not None:
+                dims = [{**(a or {}), **(b or {})} or None for a, b in zip(dims, family.dims)]
+                if dims == family.dims:
+                    return None  # the export keeps these dims symbolic but refused the values
+        else:
+            return None
+        if dims is None or not any(dims) or self._exports >= MAX_EXPORTS:
+            return None
+        self._exports += 1
+        try:
+            family = export_family(model, args, ordered, dims)
+        except CaptureError as e:
+            if self._dynamic_shapes is not None:  # asked for: say why it is not so
+                warn_once(f"opfuse: {e.args[0]}; each input shape is exported on its own")
+            else:
+                log.debug("no export with symbolic sizes: %s", e)
+            return None
+        self._family = family
+        return family if family.admits(leaves) else None
 
     def _frozen(self) -> dict[str, torch.Tensor]:
         return {k: v for e in self._entries.values() for k, v in e.captured.frozen.items()}
@@ -218,6 +297,8 @@ class CompiledModule(torch.nn.Module):
 
     def _invalidate(self, recapture: bool) -> None:
         self._reuse = {} if recapture else {s: e.captured for s, e in self._entries.items()}
+        if recapture:  # the export holds the tensors that were replaced
+            self._family, self._exports = None, 0
         # compiled before: they compile again even with recompile=False
         self._stale |= set(self._entries)
         self._entries = {}
@@ -256,20 +337,22 @@ class CompiledModule(torch.nn.Module):
             with self._lock:
                 entry = self._entries.get(sig)
                 if entry is None:
-                    if not self._recompile and sig not in self._stale:
+                    declared = self._dynamic_shapes is not None and (
+                        self._family is not None and self._family.admits(leaves)
+                    )
+                    if not self._recompile and sig not in self._stale and not declared:
                         known = next(iter(self._entries or self._stale))
                         raise RecompileError(
                             f"opfuse: {_describe_mismatch(sig, known)}; recompiling is switched off"
                         )
-                    if len(self._entries) >= self._cache_limit:
-                        # Kernels are compiled for static shapes: a model called with ever
-                        # new shapes (variable sequence lengths) would compile and keep
-                        # kernels and prepacked weights for each.
+                    full = self._full()
+                    if full is not None:
+                        # Each input shape keeps its plan, memory pool and, for shapes
+                        # exported on their own, its kernels: ever new shapes would grow
+                        # without bound.
                         warn_once(
-                            f"opfuse: {len(self._entries)} input signatures compiled "
-                            f"(cache_limit={self._cache_limit}); new ones run with torch, "
-                            "unfused. Pad or bucket the inputs to a few sizes, or raise "
-                            "cache_limit"
+                            f"opfuse: {full}; new ones run with torch, unfused. Pad or "
+                            "bucket the inputs to a few sizes, or raise cache_limit"
                         )
                         return self.__dict__["_model"](*args, **kwargs)
                     if sig in self._untraceable:
@@ -300,6 +383,27 @@ class CompiledModule(torch.nn.Module):
         assert cap.out_spec is not None
         return structure.unflatten(cap.out_spec, user)
 
+    def _full(self) -> str | None:
+        """Why no further input shape may compile (None: one may)."""
+        from .frontend import dynamo
+
+        n = len(self._entries)
+        if self._cache_limit is not None:
+            limit = self._cache_limit
+        else:
+            limit = dynamo.SIZES_LIMIT if self._family is not None else dynamo.CACHE_LIMIT
+        if n >= limit:
+            return f"{n} input signatures compiled (cache_limit={limit})"
+        if self._cache_limit is None and self._family is not None:
+            pooled = sum(
+                sum(e.compiled.run.plan.pool_sizes)
+                for e in self._entries.values()
+                if e.compiled is not None
+            )
+            if pooled >= dynamo.POOL_BUDGET:
+                return f"{n} input signatures compiled, whose memory pools reach {pooled >> 20} MiB"
+        return None
+
     def _through_dynamo(self, *args: Any, **kwargs: Any) -> Any:
         """Run through the torch.compile backend: for inputs that require grad (eager
         semantics need autograd, which the frozen graph does not record) and for signatures
@@ -316,8 +420,9 @@ def compile(
     example_inputs: Any,
     *,
     example_kwargs: dict[str, Any] | None = None,
+    dynamic_shapes: Any = None,
     recompile: bool = True,
-    cache_limit: int = 8,
+    cache_limit: int | None = None,
     options: Options | None = None,
 ) -> torch.nn.Module:
     """Compile `model` (a module or a function) for inputs like `example_inputs` (a tensor
@@ -327,21 +432,31 @@ def compile(
     is returned (its `.report` is the FusionReport). In training mode the model goes
     through `torch.compile(backend="opfuse")`: forward and backward are both compiled.
     The caller's module and tensors are never modified. New input shapes, strides or dtypes
-    compile again, up to `cache_limit` signatures; later new ones run the model with torch,
-    unfused, with a warning (`recompile=False`: they raise RecompileError).
+    compile again, up to `cache_limit` signatures (default: 8, or 64 sizes of one export
+    with symbolic sizes while their memory pools stay under 1 GiB); later new ones run the
+    model with torch, unfused, with a warning (`recompile=False`: they raise
+    RecompileError, unless `dynamic_shapes` declared their sizes).
+
+    `dynamic_shapes` (torch.export's form, per argument of the model's forward) makes those
+    sizes symbolic from the first compile. Without it, the first input shape that differs
+    from the first one only in tensor sizes exports the model once more with the dims that
+    changed symbolic. Shapes such an export admits are captured from it at their sizes and
+    share its C builds and tuning (a new sequence length: ~0.5 s, no C compiler run).
     """
     model = _as_module(model)
-    if cache_limit < 1:
+    if cache_limit is not None and cache_limit < 1:
         raise ValueError(f"opfuse: cache_limit must be at least 1, got {cache_limit}")
     opts = options or Options()
     if model.training:
         from .frontend.dynamo import opfuse_backend
 
-        return torch.compile(model, backend=opfuse_backend)  # type: ignore[return-value]
+        # declared dynamic sizes: dynamo's graphs take every size symbolic
+        dynamic = True if dynamic_shapes is not None else None
+        return torch.compile(model, backend=opfuse_backend, dynamic=dynamic)  # type: ignore[return-value]
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     try:
-        return CompiledModule(model, args, kwargs, opts, recompile, cache_limit)
+        return CompiledModule(model, args, kwargs, opts, recompile, cache_limit, dynamic_shapes)
     except CaptureError as e:
         warn_once(f"opfuse: {e}; compiling through torch.compile instead")
     from .frontend.dynamo import opfuse_backend
@@ -362,18 +477,29 @@ def explain(
     example_inputs: Any,
     *,
     example_kwargs: dict[str, Any] | None = None,
+    dynamic_shapes: Any = None,
     options: Options | None = None,
 ) -> FusionReport:
     """The FusionReport of compiling `model` (a module or a function): groups, patterns,
-    folds, refusals."""
+    folds, refusals. With `dynamic_shapes` (as for compile), the compile at the example
+    inputs' sizes from an export with those sizes symbolic, and which ones it kept so."""
     model = _as_module(model)
     opts = options or Options()
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     if not model.training:
         try:
-            captured = capture_module(model, args, kwargs)
-            return compile_graph(captured.graph, opts, captured.eager_kernels).report
+            if dynamic_shapes is not None:
+                dims = given_dims(model, args, kwargs, dynamic_shapes)
+                captured = export_family(model, args, kwargs, dims).capture(
+                    pytree.tree_leaves((args, kwargs))
+                )
+            else:
+                captured = capture_module(model, args, kwargs)
+            report = compile_graph(captured.graph, opts, captured.eager_kernels).report
+            if captured.dynamic:
+                report.dynamic.append(captured.dynamic)
+            return report
         except CaptureError as e:
             warn_once(f"opfuse: {e}; explaining the torch.compile path instead")
         except Exception as e:  # explain what the fallback compile() takes runs

@@ -19,7 +19,7 @@ import operator
 import os
 import re
 import warnings
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +64,7 @@ class Captured:
     eager_kernels: int | None = None  # compute ops eager runs (before decomposition)
     # The model's tensors the graph holds as constants, by qualified name (watch.py)
     frozen: dict[str, torch.Tensor] = field(default_factory=dict)
+    dynamic: str = ""  # captured from an export with symbolic sizes: which, and how
 
 
 # -- eval-mode capture through torch.export ------------------------------------------
@@ -83,13 +84,34 @@ class _Flat(torch.nn.Module):
         return tuple(leaves)
 
 
+@dataclass
+class Exported:
+    """A model traced by torch.export (and decomposed), before its capture at some sizes."""
+
+    program: Any  # the ExportedProgram
+    spec: structure.Spec  # the structure of the model's outputs
+    eager_kernels: int  # compute ops eager runs (before decomposition)
+    symbolic: bool = False  # some input sizes are symbols (dynamic_shapes)
+
+
 def capture_module(
     model: torch.nn.Module, args: Sequence[Any], kwargs: dict[str, Any] | None = None
 ) -> Captured:
     """Trace `model(*args, **kwargs)` with torch.export and freeze its parameters."""
     kwargs = kwargs or {}
+    return capture_exported(export_model(_Flat, model, args, kwargs), args, kwargs)
+
+
+def export_model(
+    wrapper: Callable[[torch.nn.Module, list[structure.Spec]], torch.nn.Module],
+    model: torch.nn.Module,
+    args: Sequence[Any],
+    kwargs: dict[str, Any] | None = None,
+    dynamic_shapes: Any = None,
+) -> Exported:
+    """torch.export of `wrapper(model, box)` (which flattens the model's outputs and
+    records their structure in box), decomposed to the ops opfuse fuses."""
     box: list[structure.Spec] = []
-    flat = _Flat(model, box)
     CALLER_ONEDNN.set(torch._C._get_mkldnn_enabled())
     try:
         with warnings.catch_warnings():
@@ -97,17 +119,56 @@ def capture_module(
             # warn that nn.RNN modules refresh their weight list while traced.
             warnings.simplefilter("ignore", FutureWarning)
             warnings.filterwarnings("ignore", "The tensor attributes .* were assigned during")
-            ep = torch.export.export(flat, tuple(args), kwargs, strict=False)
+            ep: Any = torch.export.export(
+                wrapper(model, box),
+                tuple(args),
+                kwargs or {},
+                strict=False,
+                dynamic_shapes=dynamic_shapes,
+            )
             eager_kernels = count_eager_kernels(ep.graph_module)
             gm = _decompose_functional(ep.graph_module)
             if gm is None:
                 with keep_whole():
                     ep = ep.run_decompositions(decompositions())
-                gm = ep.graph_module
+            else:
+                ep = _Retraced(ep, gm)
     except Exception as e:  # export fails for many reasons; callers fall back to dynamo
         raise CaptureError(
             f"torch.export could not trace the model: {type(e).__name__}: {e}"
         ) from e
+    symbolic = any(
+        isinstance(v, torch.Tensor) and _has_symbols(v)
+        for v in (n.meta.get("val") for n in ep.graph_module.graph.find_nodes(op="placeholder"))
+    )
+    return Exported(ep, box[-1], eager_kernels, symbolic)
+
+
+class _Retraced:
+    """An ExportedProgram whose graph module was decomposed op by op: the program's
+    signature and tensors with the new graph."""
+
+    def __init__(self, ep: Any, gm: torch.fx.GraphModule) -> None:
+        self.graph_signature = ep.graph_signature
+        self.state_dict = ep.state_dict
+        self.constants = ep.constants
+        self.range_constraints = ep.range_constraints
+        self.graph_module = gm
+        # same inputs in the same order, new names
+        old = [n.name for n in ep.graph_module.graph.find_nodes(op="placeholder")]
+        new = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+        self.renamed = dict(zip(old, new, strict=True))
+
+
+def _has_symbols(t: torch.Tensor) -> bool:
+    return any(sizes.is_symbolic(s) for s in (*t.shape, *t.stride()))
+
+
+def capture_exported(exported: Exported, args: Sequence[Any], kwargs: dict[str, Any]) -> Captured:
+    """The exported model captured for `args` and `kwargs`: parameters frozen, and, where
+    the export has symbolic sizes, every size it knows as an expression of them a Size
+    (frontend/sizes.py) at these inputs' values."""
+    ep, gm = exported.program, exported.program.graph_module
     from torch.export.graph_signature import InputKind, OutputKind
 
     sig = ep.graph_signature
@@ -115,6 +176,7 @@ def capture_module(
     consts = ep.constants
     mutated = set(sig.buffers_to_mutate.values())
     user_leaves = pytree.tree_leaves((tuple(args), kwargs))
+    values: list[Any] = []  # per graph input, in order: what a call passes
 
     placeholders: dict[str, Any] = {}
     input_roles: list[tuple[str, Any]] = []
@@ -126,6 +188,7 @@ def capture_module(
         name = spec.arg.name
         if spec.kind == InputKind.USER_INPUT:
             value = user_leaves[user_k]
+            values.append(value)
             if isinstance(value, torch.Tensor):
                 placeholders[name] = ("input", ("user", user_k))
             else:
@@ -135,6 +198,7 @@ def capture_module(
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
             target = spec.target
             tensor = state_dict[target] if target in state_dict else consts[target]
+            values.append(tensor)
             if target in mutated:
                 # A buffer the model updates in place: the compiled module keeps its own copy.
                 state[target] = tensor.detach().clone()
@@ -143,16 +207,22 @@ def capture_module(
                 placeholders[name] = ("constant", (_strip(target), tensor.detach()))
                 frozen[_strip(target)] = tensor
         elif spec.kind == InputKind.CONSTANT_TENSOR:
+            values.append(consts[spec.target])
             placeholders[name] = ("constant", (_strip(spec.target), consts[spec.target]))
             frozen[_strip(spec.target)] = consts[spec.target]
         else:
             raise CaptureError(f"unsupported graph input kind {spec.kind}")
 
-    if gm is not ep.graph_module:  # retraced: same inputs in the same order, new names
-        old = [n.name for n in ep.graph_module.graph.find_nodes(op="placeholder")]
-        new = [n.name for n in gm.graph.find_nodes(op="placeholder")]
-        placeholders = {b: placeholders[a] for a, b in zip(old, new, strict=True)}
-    graph, _ = _convert(gm, placeholders, input_roles)
+    if isinstance(ep, _Retraced):
+        placeholders = {ep.renamed[a]: p for a, p in placeholders.items()}
+    if exported.symbolic:
+        vals = _propagate(gm, values)
+        _check_asserts(gm, vals)
+        symbols = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+        binding = sizes.bind(symbols, values)
+        graph, _ = _convert(gm, placeholders, input_roles, vals, (), binding)
+    else:
+        graph, _ = _convert(gm, placeholders, input_roles)
     # Only what the graph reads can make a change matter (BatchNorm's num_batches_tracked
     # is no input of an eval graph: a sixth of MobileNetV2's tensors)
     used = {_place(c) for c in graph.constants.values() if isinstance(c, torch.Tensor)}
@@ -171,8 +241,24 @@ def capture_module(
         else:
             raise CaptureError(f"unsupported graph output kind {spec.kind}")
     return Captured(
-        graph, output_roles, box[-1], input_roles, state, scalar_inputs, eager_kernels, frozen
+        graph,
+        output_roles,
+        exported.spec,
+        input_roles,
+        state,
+        scalar_inputs,
+        exported.eager_kernels,
+        frozen,
     )
+
+
+def _check_asserts(gm: torch.fx.GraphModule, vals: dict[torch.fx.Node, Any]) -> None:
+    """The run-time assertions torch.export left in a graph with symbolic sizes (what it
+    assumed of them that a range does not say), evaluated at this call's sizes."""
+    for n in gm.graph.find_nodes(op="call_function", target=aten._assert_scalar.default):
+        cond = n.args[0]
+        if isinstance(cond, torch.fx.Node) and not vals.get(cond, True):
+            raise CaptureError(f"these sizes break what the export assumed: {n.args[1]}")
 
 
 def _decompose_functional(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | None:

@@ -59,6 +59,24 @@ def sized(value: Any, symbolic: Any, binding: Binding) -> Any:
     return value
 
 
+def is_symbolic(size: Any) -> bool:
+    """Is `size` (an int or a SymInt) an expression of symbols?"""
+    expr = getattr(getattr(size, "node", None), "expr", None)
+    return bool(getattr(expr, "free_symbols", None))
+
+
+def value_of(symbolic: Any, binding: Binding) -> int | None:
+    """An int, or a SymInt's expression evaluated with the bound symbols (None: it has
+    others, or no form here)."""
+    expr = getattr(getattr(symbolic, "node", None), "expr", None)
+    if expr is None:
+        return int(symbolic)
+    try:
+        return int(_evaluate(expr, binding))
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return None
+
+
 def sized_meta(meta: TensorMeta, val: Any, binding: Binding) -> TensorMeta:
     """meta with its sizes, strides and offset as Sizes where `val` (the fx node's
     symbolic value) has them symbolic."""

@@ -259,10 +259,20 @@ class GraphBuilder:
             target=target,
         )
 
-    def constant(self, tensor: torch.Tensor, name: str, source: Source | None = None) -> Node:
+    def constant(
+        self,
+        tensor: torch.Tensor,
+        name: str,
+        source: Source | None = None,
+        meta: TensorMeta | None = None,
+    ) -> Node:
+        """A frozen tensor. `meta`: the node's meta where it says the same as the tensor's
+        own, with the Sizes of a graph with symbolic sizes (a constant folded from an op
+        sized by a symbol: position embeddings gathered for the sequence length)."""
         name = self._unique(name)
         self.constants[name] = tensor
-        node = Node(name, CONSTANT, (), (), TensorMeta.of(tensor), source, None)
+        own = TensorMeta.of(tensor)
+        node = Node(name, CONSTANT, (), (), meta if meta == own else own, source, None)
         self._names.add(name)
         self.nodes.append(node)
         return node
@@ -275,7 +285,12 @@ class GraphBuilder:
 
     def copy(self, old: Node) -> Node:
         if old.op == CONSTANT:
-            new = self.constant(self._old_constants[old.name], old.name, old.source)
+            new = self.constant(
+                self._old_constants[old.name],
+                old.name,
+                old.source,
+                old.meta if isinstance(old.meta, TensorMeta) else None,
+            )
         else:
             new = self.add(
                 old.op,

@@ -45,7 +45,8 @@ def fold_constants(graph: Graph, folded: list[str] | None = None) -> Graph:
         else:
             b.copy(n)
             continue
-        new = b.constant(t, n.name, n.source)
+        meta = n.meta if isinstance(n.meta, TensorMeta) else None
+        new = b.constant(t, n.name, n.source, meta)
         values[new] = t
         b.replace(n, new)
     return b.build(graph.outputs)

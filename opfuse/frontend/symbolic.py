@@ -1,0 +1,233 @@
+"""opfuse.compile over inputs whose sizes vary: one torch.export with symbolic sizes, captured
+at each new call's sizes.
+
+A compiled module called with a second input shape that differs from the first only in the
+sizes of its tensors exports the model once more, with the dims that changed as
+`Dim.AUTO` (or it exports with the caller's `dynamic_shapes` from the start). Every later
+shape that export admits is captured from it at its own sizes (capture.capture_exported):
+each size the export knows as an expression of its symbols becomes an `ir.size.Size`, so
+the sizes share their C builds, tuning and packed weights, and none exports again.
+
+A shape is admitted when each input's sizes and strides are what the export's expressions
+give for the symbols bound by the bare ones, within the ranges the export recorded, and
+the assertions it left in the graph hold (capture._check_asserts). Anything else compiles
+as its own static export.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from . import sizes, structure
+from .capture import Captured, Exported, capture_exported, export_model
+
+DimSpec = dict[int, Any] | None  # per tensor leaf: its symbolic dims (torch.export.Dim)
+
+
+class _Leaves(torch.nn.Module):
+    """Calls the model with inputs given as the leaves of (args, kwargs) and returns its
+    tensor leaves flat (recording their structure in box): dims given per leaf, whatever
+    the model's signature."""
+
+    def __init__(
+        self, model: torch.nn.Module, box: list[structure.Spec], spec: pytree.TreeSpec
+    ) -> None:
+        super().__init__()
+        self.m = model
+        self._box = box  # in a list created outside: export restores module attributes
+        self._spec = spec
+
+    def forward(self, *leaves: Any) -> tuple[torch.Tensor, ...]:
+        args, kwargs = pytree.tree_unflatten(list(leaves), self._spec)
+        out, spec = structure.flatten(self.m(*args, **kwargs))
+        self._box.append(spec)
+        return tuple(out)
+
+
+@dataclass
+class Family:
+    """One export with symbolic sizes and the shapes it serves."""
+
+    exported: Exported
+    dims: list[DimSpec]  # per leaf: the dims asked to be symbolic
+    inputs: list[Any]  # per leaf: the export's input (a fake tensor, or the value)
+    note: str  # for the report: which sizes are symbols, which the export fixed and why
+
+    def admits(self, leaves: Sequence[Any]) -> bool:
+        """Does the export hold for inputs `leaves`?"""
+        if len(leaves) != len(self.inputs):
+            return False
+        binding = sizes.bind(self.inputs, leaves)
+        for want, got in zip(self.inputs, leaves):
+            if isinstance(want, torch.Tensor) != isinstance(got, torch.Tensor):
+                return False
+            if not isinstance(want, torch.Tensor):
+                if type(want) is not type(got) or want != got:
+                    return False
+                continue
+            kind = (want.dtype, want.device.type, want.dim())
+            if kind != (got.dtype, got.device.type, got.dim()):
+                return False
+            pairs = zip((*want.shape, *want.stride()), (*got.shape, *got.stride()))
+            if any(sizes.value_of(w, binding) != g for w, g in pairs):
+                return False
+        ranges = self.exported.program.range_constraints
+        for symbol, bounds in ranges.items():
+            value = binding.get(str(symbol))
+            if value is not None and not (bounds.lower <= value <= bounds.upper):
+                return False
+        return True
+
+    def capture(self, leaves: Sequence[Any]) -> Captured:
+        """The export captured at `leaves`' sizes (admitted ones)."""
+        captured = capture_exported(self.exported, tuple(leaves), {})
+        captured.dynamic = self.note
+        return captured
+
+
+def export_family(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dims: Sequence[DimSpec],
+) -> Family:
+    """Export `model` at (args, kwargs), with the leaves' dims in `dims` symbolic."""
+    leaves, spec = pytree.tree_flatten((tuple(args), kwargs))
+    exported = export_model(lambda m, box: _Leaves(m, box, spec), model, leaves, {}, (tuple(dims),))
+    placeholders = list(exported.program.graph_module.graph.find_nodes(op="placeholder"))
+    user = _user_inputs(exported.program)
+    inputs = [placeholders[i].meta.get("val") for i in user]
+    note = _note(inputs, dims, exported.program.range_constraints)
+    return Family(exported, list(dims), inputs, note)
+
+
+def _user_inputs(ep: Any) -> list[int]:
+    from torch.export.graph_signature import InputKind
+
+    return [
+        i for i, s in enumerate(ep.graph_signature.input_specs) if s.kind == InputKind.USER_INPUT
+    ]
+
+
+def _note(inputs: Sequence[Any], dims: Sequence[DimSpec], ranges: Any) -> str:
+    symbolic: list[str] = []
+    fixed: list[str] = []
+    for k, (val, asked) in enumerate(zip(inputs, dims)):
+        if not isinstance(val, torch.Tensor):
+            continue
+        for d, s in enumerate(val.shape):
+            if sizes.is_symbolic(s):
+                symbolic.append(f"input {k} dim {d} = {s}")
+            elif asked and d in asked:
+                fixed.append(f"input {k} dim {d} stays {s}")
+    bounds = ", ".join(
+        f"{s} in [{r.lower}, {'inf' if 'oo' in str(r.upper) else r.upper}]"
+        for s, r in ranges.items()
+        if r.lower is not None
+    )
+    note = (
+        f"exported once with symbolic sizes ({'; '.join(symbolic)}; {bounds}): every input "
+        "shape the export admits is captured from it, its kernels taking the sizes as "
+        "arguments, without exporting again"
+        if symbolic
+        else "no size asked to be symbolic stayed so in the export"
+    )
+    if fixed:
+        note += (
+            f"; specialised by the export, because the model's code needs their value: "
+            f"{'; '.join(fixed)}"
+        )
+    return note
+
+
+def changed_dims(known: Sequence[Any], leaves: Sequence[Any]) -> list[DimSpec] | None:
+    """Per leaf, the dims whose size differs from signature `known` (api._signature) as
+    `Dim.AUTO`; None when the inputs differ in more than tensor sizes, or not at all."""
+    if len(known) != len(leaves):
+        return None
+    out: list[DimSpec] = []
+    for was, now in zip(known, leaves):
+        if was[0] != "tensor" or not isinstance(now, torch.Tensor):
+            if was[0] == "tensor" or isinstance(now, torch.Tensor):
+                return None
+            out.append(None)
+            continue
+        _, shape, _, dtype, device = was
+        if (dtype, device, len(shape)) != (now.dtype, str(now.device), now.dim()):
+            return None
+        auto = torch.export.Dim.AUTO
+        dims = {d: auto for d, (a, b) in enumerate(zip(shape, now.shape)) if a != b}
+        out.append(dims or None)
+    return out if any(out) else None
+
+
+def given_dims(
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    dynamic_shapes: Any,
+) -> list[DimSpec]:
+    """The caller's `dynamic_shapes` (torch.export's form: per argument of the model's
+    forward, by position or by name, a tensor's dims as a dict or a sequence) per leaf of
+    (args, kwargs)."""
+    params = list(inspect.signature(model.forward).bind(*args, **kwargs).arguments)
+    values = [*args, *kwargs.values()]
+    names = params[: len(args)] + list(kwargs)
+    if isinstance(dynamic_shapes, dict):
+        unknown = set(dynamic_shapes) - set(names)
+        if unknown:
+            raise ValueError(
+                f"opfuse: dynamic_shapes names {sorted(unknown)}, which are not arguments "
+                f"of this call ({', '.join(names)})"
+            )
+        specs = [dynamic_shapes.get(n) for n in names]
+    elif isinstance(dynamic_shapes, (tuple, list)):
+        if len(dynamic_shapes) > len(values):
+            raise ValueError(
+                f"opfuse: dynamic_shapes has {len(dynamic_shapes)} entries for "
+                f"{len(values)} arguments"
+            )
+        specs = list(dynamic_shapes) + [None] * (len(values) - len(dynamic_shapes))
+    else:
+        raise TypeError("opfuse: dynamic_shapes must be a dict, tuple or list")
+    out: list[DimSpec] = []
+    for value, spec in zip(values, specs):
+        _leaf_dims(value, spec, out)
+    return out
+
+
+def _leaf_dims(value: Any, spec: Any, out: list[DimSpec]) -> None:
+    if isinstance(value, torch.Tensor):
+        if spec is None:
+            out.append(None)
+        elif isinstance(spec, dict):
+            out.append(dict(spec) or None)
+        elif isinstance(spec, (tuple, list)):
+            out.append({d: s for d, s in enumerate(spec) if s is not None} or None)
+        else:
+            raise TypeError(f"opfuse: a tensor's dynamic_shapes entry is {spec!r}")
+        return
+    children, _ = pytree.tree_flatten(value)
+    if not children:  # None, an empty container: no leaf
+        return
+    if len(children) == 1 and children[0] is value:  # a leaf that is no tensor
+        out.append(None)
+        return
+    if spec is None:
+        out.extend(None for _ in children)
+        return
+    if isinstance(value, dict) and isinstance(spec, dict):
+        for key in value:
+            _leaf_dims(value[key], spec.get(key), out)
+        return
+    if isinstance(value, (tuple, list)) and isinstance(spec, (tuple, list)):
+        for v, s in zip(value, spec, strict=True):
+            _leaf_dims(v, s, out)
+        return
+    raise TypeError(f"opfuse: dynamic_shapes entry {spec!r} does not match its argument")

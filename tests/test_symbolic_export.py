@@ -1,0 +1,268 @@
+"""opfuse.compile over input shapes that vary (frontend/symbolic.py): one export with
+symbolic sizes serves every shape it admits, each captured at its sizes, sharing C builds;
+shapes it does not admit export on their own. Every result is compared with eager."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.export import Dim
+
+import opfuse
+from opfuse.backends.c import build
+from opfuse.bench import models
+
+
+class _Encoder(nn.Module):
+    """Token and position embeddings, attention over the sequence, an MLP and LayerNorms:
+    rows, row lengths and GEMM M scale with the sequence length."""
+
+    def __init__(self, dim: int = 32, vocab: int = 50, positions: int = 160) -> None:
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, dim), nn.Embedding(positions, dim)
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.scale = 1 / math.sqrt(dim)
+
+    def forward(self, ids: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.tokens(ids) + self.positions(torch.arange(ids.shape[1]))
+        q, k, v = self.qkv(h).chunk(3, -1)
+        scores = q @ k.transpose(-1, -2) * self.scale
+        if mask is not None:
+            scores = scores.masked_fill(mask[:, None, :] == 0, -1e4)
+        h = self.norm1(h + self.out(torch.softmax(scores, -1) @ v))
+        return self.norm2(h + self.down(F.gelu(self.up(h))))
+
+
+def _ids(batch: int, s: int) -> torch.Tensor:
+    return torch.randint(0, 50, (batch, s), generator=torch.Generator().manual_seed(s))
+
+
+def _counting_exports(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    calls: list[Any] = []
+    real = torch.export.export
+
+    def counting(*a: Any, **k: Any) -> Any:
+        calls.append(k.get("dynamic_shapes"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(torch.export, "export", counting)
+    return calls
+
+
+def _builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    runs: list[int] = []
+    real = build._compile
+
+    def counting(*a: Any) -> None:
+        runs.append(1)
+        real(*a)
+
+    monkeypatch.setattr(build, "_compile", counting)
+    return runs
+
+
+def test_a_second_length_exports_once_with_symbolic_sizes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The second length exports with the length symbolic; later lengths export nothing
+    and run no C compiler; each one matches eager and its report says how."""
+    torch.manual_seed(0)
+    model = _Encoder().eval()
+    exports, builds = _counting_exports(monkeypatch), _builds(monkeypatch)
+    with torch.no_grad():
+        fast = opfuse.compile(model, (_ids(2, 24),))
+        after: list[tuple[int, int]] = []
+        for s in (40, 56, 72, 33, 100):
+            x = _ids(2, s)
+            torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-4)
+            after.append((len(exports), len(builds)))
+    assert len(exports) == 2 and exports[0] is None and exports[1] is not None
+    assert after[0][0] == after[-1][0] == 2
+    assert after[1][1] == after[-1][1], f"a later length ran the C compiler: {after}"
+    reports = [e.report for e in fast._entries.values()]  # type: ignore[attr-defined]
+    assert not reports[0].dynamic  # the first shape: a static export
+    assert all("exported once with symbolic sizes" in r.dynamic[0] for r in reports[1:])
+    assert "input 0 dim 1" in reports[1].dynamic[0]
+    assert "input 0 dim 0" not in reports[1].dynamic[0]  # the batch never changed
+
+
+def test_dynamic_shapes_are_symbolic_from_the_first_compile(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With dynamic_shapes, the first compile exports symbolically; sizes in the declared
+    range compile even with recompile=False, sizes outside it raise RecompileError."""
+    torch.manual_seed(0)
+    model = _Encoder().eval()
+    exports = _counting_exports(monkeypatch)
+    s = Dim("s", min=8, max=128)
+    mask = torch.ones(1, 20, dtype=torch.long)
+    with torch.no_grad():
+        fast = opfuse.compile(
+            model,
+            (_ids(1, 20),),
+            example_kwargs={"mask": mask},
+            dynamic_shapes={"ids": {1: s}, "mask": {1: s}},
+            recompile=False,
+        )
+        for n in (20, 64, 9, 128):
+            x, m = _ids(1, n), torch.ones(1, n, dtype=torch.long)
+            m[0, n // 2 :] = 0
+            torch.testing.assert_close(fast(x, mask=m), model(x, mask=m), rtol=1e-4, atol=1e-4)
+        assert len(exports) == 1
+        with pytest.raises(opfuse.RecompileError, match="shape"):
+            fast(_ids(1, 200), mask=torch.ones(1, 200, dtype=torch.long))
+        with pytest.raises(opfuse.RecompileError):  # ids and mask must share the length
+            fast(_ids(1, 30), mask=torch.ones(1, 31, dtype=torch.long))
+
+
+def test_lengths_outside_the_exports_range_export_on_their_own() -> None:
+    """Length 1 is outside the automatic export's range (0 and 1 are specialised): it
+    exports statically and still matches eager, as do the lengths around it."""
+    torch.manual_seed(0)
+    model = _Encoder().eval()
+    with torch.no_grad():
+        fast = opfuse.compile(model, (_ids(1, 16),))
+        for s in (24, 1, 40, 2):
+            x = _ids(1, s)
+            torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-4)
+    notes = [e.report.dynamic for e in fast._entries.values()]  # type: ignore[attr-defined]
+    assert [bool(n) for n in notes] == [False, True, False, True, True]
+
+
+def test_a_dim_the_model_fixes_is_reported_as_specialised() -> None:
+    """A reshape that needs the width's value keeps it static whatever was asked: explain
+    says which sizes are symbolic and which the export fixed."""
+
+    class Heads(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            b = x.shape[0]
+            return torch.softmax(x.reshape(b, 4, 8), -1).reshape(b, 32) * 2
+
+    x = torch.randn(6, 32)
+    model = Heads().eval()
+    report = opfuse.explain(model, (x,), dynamic_shapes=({0: Dim.AUTO, 1: Dim.AUTO},))
+    (note,) = report.dynamic
+    assert "input 0 dim 0 = s" in note
+    assert "specialised by the export" in note and "input 0 dim 1 stays 32" in note
+    fast = opfuse.compile(model, (x,), dynamic_shapes=({0: Dim.AUTO, 1: Dim.AUTO},))
+    for b in (6, 11, 3):
+        y = torch.randn(b, 32)
+        torch.testing.assert_close(fast(y), model(y))
+
+
+def test_a_batch_after_lengths_exports_a_second_time() -> None:
+    """Lengths first make the length symbolic; a new batch size then exports once more,
+    with both symbolic, and later shapes varying either are captured from it."""
+    torch.manual_seed(0)
+    model = _Encoder().eval()
+    with torch.no_grad():
+        fast = opfuse.compile(model, (_ids(2, 16),))
+        for b, s in ((2, 24), (3, 24), (4, 40), (5, 17)):
+            x = _ids(b, s)
+            torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-4)
+    notes = [e.report.dynamic for e in fast._entries.values()]  # type: ignore[attr-defined]
+    assert "input 0 dim 0" not in notes[1][0]
+    assert all("input 0 dim 0" in n[0] and "input 0 dim 1" in n[0] for n in notes[2:])
+    assert fast._exports == 2  # type: ignore[attr-defined]
+
+
+def test_parameters_changed_after_the_export_are_followed() -> None:
+    """The export holds the model's weights: an in-place update compiles every shape
+    again from the live values, a replaced parameter exports again."""
+    torch.manual_seed(0)
+    model = _Encoder().eval()
+    with torch.no_grad():
+        fast = opfuse.compile(model, (_ids(1, 16),))
+        fast(_ids(1, 24))
+        model.up.weight.mul_(0.5)
+        with pytest.warns(RuntimeWarning, match="compiling again"):
+            got = fast(_ids(1, 30))
+        torch.testing.assert_close(got, model(_ids(1, 30)), rtol=1e-4, atol=1e-4)
+        model.down.weight = nn.Parameter(torch.randn_like(model.down.weight))
+        for s in (30, 44):
+            torch.testing.assert_close(fast(_ids(1, s)), model(_ids(1, s)), rtol=1e-4, atol=1e-4)
+
+
+def test_nested_inputs_take_dims_per_leaf() -> None:
+    """dynamic_shapes mirrors nested arguments (a dict of tensors)."""
+
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+
+        def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+            a, b = batch["a"], batch["b"]
+            return torch.softmax(self.proj(a) + b, -1).sum(1)
+
+    model = Pair().eval()
+    n = Dim("n", min=2, max=256)
+
+    def inputs(k: int) -> dict[str, torch.Tensor]:
+        return {"a": torch.randn(3, k, 16), "b": torch.randn(3, k, 16)}
+
+    with torch.no_grad():
+        fast = opfuse.compile(
+            model, (inputs(8),), dynamic_shapes={"batch": {"a": {1: n}, "b": {1: n}}}
+        )
+        for k in (8, 50, 3):
+            x = inputs(k)
+            torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-4)
+    assert all(e.report.dynamic for e in fast._entries.values())  # type: ignore[attr-defined]
+
+
+def test_malformed_dynamic_shapes_say_what_is_wrong() -> None:
+    model = _Encoder().eval()
+    with pytest.raises(ValueError, match="not arguments"):
+        opfuse.compile(model, (_ids(1, 8),), dynamic_shapes={"tokens": {1: Dim.AUTO}})
+    with pytest.raises(TypeError, match="dict, tuple or list"):
+        opfuse.compile(model, (_ids(1, 8),), dynamic_shapes=3)
+
+
+_MODEL = _Encoder().eval()
+_FAST: dict[str, Any] = {}
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.integers(2, 150), st.integers(1, 3))
+def test_any_admitted_shape_matches_eager(s: int, batch: int) -> None:
+    """Random lengths and batch sizes through one compile with both symbolic: every one
+    matches eager."""
+    if "m" not in _FAST:
+        dims = {"ids": {0: Dim.AUTO, 1: Dim.AUTO}}
+        with torch.no_grad():
+            _FAST["m"] = opfuse.compile(_MODEL, (_ids(2, 12),), dynamic_shapes=dims)
+    x = _ids(batch, s)
+    with torch.no_grad():
+        torch.testing.assert_close(_FAST["m"](x), _MODEL(x), rtol=1e-4, atol=1e-4)
+
+
+def test_bert_lengths_share_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A BERT-like encoder (attention masked by an input) over lengths: after the second
+    length, no export and no C compiler run."""
+    torch.manual_seed(0)
+    model = models.realistic(models.BertEncoder(layers=2, dim=96, vocab=300)).eval()
+
+    def inputs(s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        mask = torch.ones(1, s, dtype=torch.long)
+        mask[0, s // 2 :] = 0
+        return _ids(1, s) % 300, mask
+
+    exports, builds = _counting_exports(monkeypatch), _builds(monkeypatch)
+    counts = []
+    with torch.no_grad():
+        fast = opfuse.compile(model, inputs(32))
+        for s in (40, 56, 72, 100, 33, 120):
+            x = inputs(s)
+            torch.testing.assert_close(fast(*x), model(*x), rtol=1e-4, atol=1e-4)
+            counts.append((len(exports), len(builds)))
+    assert counts[0] == counts[-1], counts
