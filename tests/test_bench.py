@@ -191,8 +191,8 @@ def test_the_dynamic_table_counts_compiles_and_builds() -> None:
     from opfuse.bench.run import Result, markdown
 
     row = Result("bert_base length 96", "dynamic")
-    row.compiles = {"opfuse": 2, "opfuse compiles": 4, "opfuse builds": 2}
-    row.compile_seconds = {"opfuse first": 0.4}
+    row.compiles = {"opfuse": 2, "opfuse compiles": 4, "opfuse builds": 2, "compile() builds": 1}
+    row.compile_seconds = {"opfuse first": 0.4, "compile() first": 0.6}
     table = markdown([row], "t")
-    assert "| C builds |" in table
-    assert "| 2,  | 4 | 2 | 0.4, 0.0 |" in table, table
+    assert "| C builds (opfuse, opfuse.compile) |" in table
+    assert "| 2,  | 4 | 2, 1 | 0.4, 0.6, 0.0 |" in table, table

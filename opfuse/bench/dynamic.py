@@ -4,8 +4,10 @@
   hands each compiler a graph per prompt, per first step and then one with the cache length
   symbolic; the row counts the graphs each compiler compiled, the first generation's time
   (compiles included) and the warm generation's.
-- An encoder over several sequence lengths: compiled once with `dynamic=True`, each length
-  timed against eager and against opfuse compiled for that length alone (static).
+- An encoder over several sequence lengths: compiled once with `dynamic=True`, and with
+  opfuse.compile at the first length (which exports it again with the length symbolic at
+  the second), each length timed against eager and against opfuse compiled for that length
+  alone (static).
 """
 
 from __future__ import annotations
@@ -93,7 +95,11 @@ def run_lengths(reps: int, lengths: tuple[int, ...] = LENGTHS, layers: int = 12)
     torch._dynamo.reset()
     counter = _Counter(_backend("opfuse"))
     dyn = torch.compile(model, backend=counter, dynamic=True)
-    before, builds = compiles(), 0
+    before, builds, exported_builds = compiles(), 0, 0
+    with torch.no_grad():
+        built = compiler_runs()
+        once = opfuse.compile(model, inputs(lengths[0]))
+        exported_builds += compiler_runs() - built
     out: list[Result] = []
     for s in lengths:
         res = Result(f"bert_base length {s}", "dynamic")
@@ -107,15 +113,25 @@ def run_lengths(reps: int, lengths: tuple[int, ...] = LENGTHS, layers: int = 12)
             res.compiles["opfuse"] = counter.graphs
             res.compiles["opfuse compiles"] = compiles() - before
             res.compiles["opfuse builds"] = builds
+            t0, built = time.perf_counter(), compiler_runs()
+            got_once = once(*x)
+            res.compile_seconds["compile() first"] = time.perf_counter() - t0
+            exported_builds += compiler_runs() - built
+            res.compiles["compile() builds"] = exported_builds
             static = opfuse.compile(model, x)
         if not torch.allclose(got, expected, rtol=1e-3, atol=1e-3):
             res.error = f"length {s}: dynamic compile differs from eager"
+            out.append(res)
+            continue
+        if not torch.allclose(got_once, expected, rtol=1e-3, atol=1e-3):
+            res.error = f"length {s}: opfuse.compile differs from eager"
             out.append(res)
             continue
         res.timings = time_interleaved(
             {
                 "eager": functools.partial(model, *x),
                 "opfuse": functools.partial(dyn, *x),
+                "opfuse.compile": functools.partial(once, *x),
                 "opfuse static": functools.partial(static, *x),
             },
             reps=reps,
