@@ -34,7 +34,8 @@ from .context import Context
 from .fusion.classify import classify
 from .fusion.groups import Partition, check_partition
 from .fusion.partition import Fuel, partition
-from .ir.graph import Graph
+from .ir import scalar
+from .ir.graph import Graph, size_symbols
 from .lower.groups import Lowered, lower_groups
 from .lower.lowering import why_not_lowered
 from .options import Options
@@ -99,6 +100,13 @@ def compile_graphs(
     kernels are built as one library (the static regions of a graph with symbolic sizes:
     one compiler run, the kernels their layers repeat built once)."""
     opts = options or Options()
+    with scalar.sized(size_symbols(graphs)):
+        return _compile_graphs(graphs, opts, eager_kernels)
+
+
+def _compile_graphs(
+    graphs: Sequence[Graph], opts: Options, eager_kernels: Sequence[int | None] | None
+) -> list[CompiledGraph]:
     fronts = [_front(g, opts) for g in graphs]
     c = [f for f in fronts if f.backend != "triton"]
     t0 = time.perf_counter()

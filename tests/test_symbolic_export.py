@@ -266,3 +266,28 @@ def test_bert_lengths_share_builds(monkeypatch: pytest.MonkeyPatch) -> None:
             torch.testing.assert_close(fast(*x), model(*x), rtol=1e-4, atol=1e-4)
             counts.append((len(exports), len(builds)))
     assert counts[0] == counts[-1], counts
+
+
+def test_a_torch_compile_of_the_same_model_does_not_split_the_builds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch.compile(dynamic=True) and opfuse.compile of one model, at the same lengths:
+    their graphs name the length by different symbols, and neither's expressions leak
+    into the other's kernels (they would differ from the other lengths' and build)."""
+    torch.manual_seed(0)
+    model = _Encoder().eval()
+    builds = _builds(monkeypatch)
+    torch._dynamo.reset()
+    dyn = torch.compile(model, backend="opfuse", dynamic=True)
+    counts = []
+    with torch.no_grad():
+        once = opfuse.compile(model, (_ids(1, 16),))
+        # 32 is also the model's width: the lengths' and the width's 32 print apart
+        for s in (16, 24, 32, 56):
+            x = _ids(1, s)
+            torch.testing.assert_close(dyn(x), model(x), rtol=1e-4, atol=1e-4)
+            before = len(builds)
+            torch.testing.assert_close(once(x), model(x), rtol=1e-4, atol=1e-4)
+            counts.append(len(builds) - before)
+    torch._dynamo.reset()
+    assert counts[2:] == [0, 0], counts

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .size import Size
+
 
 @dataclass(frozen=True)
 class TensorMeta:
@@ -355,3 +357,18 @@ def bind(node: Node) -> dict[str, Arg]:
         elif a.has_default_value():
             out[a.name] = a.default_value
     return out
+
+
+def size_symbols(graphs: Sequence[Graph]) -> tuple[tuple[str, int], ...]:
+    """The size symbols, with their values, that the graphs' inputs are sized by (graphs
+    with symbolic sizes: ir/size.py)."""
+    found: set[tuple[str, int]] = set()
+    for g in graphs:
+        for n in g.inputs:
+            metas = n.meta if isinstance(n.meta, tuple) else (n.meta,)
+            for m in metas:
+                if isinstance(m, TensorMeta):
+                    for v in (*m.shape, *m.stride, m.offset):
+                        if isinstance(v, Size):
+                            found.update(v.leaves)
+    return tuple(sorted(found))

@@ -12,12 +12,18 @@ expressions: `x * 0.5 + 1` is an `Expr`.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import math
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from .size import Size
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -169,7 +175,9 @@ class Expr:
     def __new__(
         cls, op: str, args: tuple[Expr, ...], dtype: torch.dtype, value: Any = None
     ) -> Expr:
-        key = (op, tuple(id(a) for a in args), dtype, _value_key(value))
+        sizes = _sizes.get()
+        held = _sized_key(value) if sizes else _value_key(value)
+        key = (op, tuple(id(a) for a in args), dtype, held, sizes)
         hit = _INTERNED.get(key)
         if hit is not None:
             return hit
@@ -262,7 +270,42 @@ def _value_key(value: Any) -> Any:
     return (type(value), repr(value)) if isinstance(value, (float, int)) else value
 
 
+def _sized_key(value: Any) -> Any:
+    """_value_key that tells a Size from the plain int of its value, however deep in a
+    load's index it is: a head dim of 64 and a sequence length of 64 are one int, but two
+    different things to print."""
+    if isinstance(value, Size):
+        return (Size, int(value), value.text)
+    if isinstance(value, (float, int)):
+        return (type(value), repr(value))
+    if isinstance(value, tuple):
+        return tuple(_sized_key(v) for v in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = dataclasses.fields(value)
+        return (type(value), *(_sized_key(getattr(value, f.name)) for f in fields))
+    return value
+
+
 _INTERNED: weakref.WeakValueDictionary[Any, Expr] = weakref.WeakValueDictionary()
+
+# The size symbols, with their values, of the graph being compiled. Interning keys compare
+# values, and a Size equals its value: without this, a compile could take an expression
+# another graph built with another symbol of equal value (a torch.compile graph's s27 in
+# an export's s38), sound but printed with the foreign symbol, and its C would differ from
+# its other sizes' (a build for nothing).
+_sizes: contextvars.ContextVar[tuple[tuple[str, int], ...]] = contextvars.ContextVar(
+    "opfuse_interned_sizes", default=()
+)
+
+
+@contextlib.contextmanager
+def sized(symbols: tuple[tuple[str, int], ...]) -> Iterator[None]:
+    """Intern expressions apart from those of graphs with other size symbols inside."""
+    token = _sizes.set(symbols)
+    try:
+        yield
+    finally:
+        _sizes.reset(token)
 
 
 def const(value: Any, dtype: torch.dtype) -> Expr:
