@@ -94,6 +94,21 @@ def _shared_pack(
     return found
 
 
+def pack_frozen(pack: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor) -> torch.Tensor:
+    """A frozen weight packed at compile time, shared with every other compile that packs
+    it alike (opfuse.compile over many input shapes: one copy, not one per shape). The
+    copy keeps `t` alive, so no other tensor can take its place in the table unseen."""
+    packed = _shared_pack(pack, t, (t.untyped_storage()._cdata, t.data_ptr(), t._version))
+    packed._opfuse_source = t  # type: ignore[attr-defined]
+    return packed
+
+
+def forget_packs() -> None:
+    """Pack every weight anew from now on: after writes torch's version counters do not
+    see (CompiledModule.refresh), a packed copy found by the old key would be stale."""
+    _packs.clear()
+
+
 KernelArg = In | Out | Const | Scratch | Packed
 
 

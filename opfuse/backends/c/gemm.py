@@ -265,18 +265,14 @@ def own_layout(k: GemmKernel) -> tuple[list[int], int]:
     return offsets, total
 
 
-def pack_own(k: GemmKernel, weight: torch.Tensor) -> torch.Tensor:
-    """B (as the GEMM reads it: [K, N], its storage possibly transposed) packed for
-    opfuse_gemm_tile: per column tile, panels of 32 columns, K x 32 each, zero-padded, at
-    the offsets own_layout gives the rendered kernel."""
-    return OwnPack.of(k)(weight)
-
-
 @dataclass(frozen=True)
 class OwnPack:
-    """How opfuse's GEMM reads one weight packed: equal packs of one tensor are equal
-    bytes, so the runtimes of a graph compiled per size share one packed copy
-    (runtime/execute.Packed) instead of one each (BERT-base: 340 MB per size)."""
+    """How opfuse's GEMM reads one weight packed (B as the GEMM reads it, [K, N], its
+    storage possibly transposed): per column tile, panels of 32 columns, K x 32 each,
+    zero-padded, at the offsets own_layout gives the rendered kernel. Equal packs of one
+    tensor are equal bytes, so the compiles of a graph per size share one packed copy
+    (runtime/execute.Packed, execute.pack_frozen) instead of one each (BERT-base: 340 MB
+    per size)."""
 
     k: int
     n: int

@@ -24,6 +24,7 @@ from ...lower.epilogue import (
 from ...lower.groups import Lowered, k_blocks
 from ...lower.kernel import Kernel
 from ...rewrite.layout import has_format, is_channels_last
+from ...runtime.execute import pack_frozen
 from ...runtime.finite import FiniteGuard, gain, largest
 from ...runtime.plan import Built, BuiltCall, BuiltGemm, BuiltKernel
 from ..base import Make, Module, Unavailable
@@ -36,7 +37,6 @@ from .gemm import (
     can_pack,
     own_layout,
     pack_layout,
-    pack_own,
     pack_weight,
     render_gemm,
 )
@@ -69,7 +69,7 @@ def _name(lowered: Lowered, tag: str) -> _Named:
                 out.kernels.append((tag + name, c))
             elif isinstance(c, GemmKernel):
                 offsets = None
-                if c.own:  # the rendered kernel's offsets (pack_own derives the same);
+                if c.own:  # the rendered kernel's offsets (OwnPack derives the same);
                     # none where the kernel packs B itself
                     offsets = None if c.packs_b else own_layout(c)[0]
                 elif c.spec.packable and can_pack():
@@ -139,7 +139,11 @@ def build_modules(parts: Sequence[tuple[Graph, Lowered]]) -> list[Module]:
             sig = []
             for cname, c in sorted(cands.items()):
                 kname = names.get((gid, cname))
-                text = canonical[kname] if kname else _describe(c)
+                if kname:
+                    text = canonical[kname]
+                else:  # sizes as symbols: every size takes the first size's choice
+                    with symbolic_text():
+                        text = _describe(c)
                 sig.append(f"{cname}:{text}")
             mod.signatures[gid] = sig
         _bind(mod, graph, lowered, names, nm.layouts, lib, missing, sized)
@@ -274,7 +278,7 @@ def _make_own_gemm(graph: Graph, c: GemmKernel, fn: Any, sizes: tuple[int, ...] 
     if c.packs_b:
         return BuiltGemm(c, fn, None, 0, sizes=sizes)
     if c.spec.packable:
-        return BuiltGemm(c, fn, pack_own(c, _weight(graph, c)), 0, sizes=sizes)
+        return BuiltGemm(c, fn, pack_frozen(OwnPack.of(c), _weight(graph, c)), 0, sizes=sizes)
     return BuiltGemm(c, fn, None, 0, OwnPack.of(c), sizes=sizes)
 
 
