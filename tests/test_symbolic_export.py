@@ -222,7 +222,7 @@ def test_nested_inputs_take_dims_per_leaf() -> None:
 
 def test_malformed_dynamic_shapes_say_what_is_wrong() -> None:
     model = _Encoder().eval()
-    with pytest.raises(ValueError, match="not arguments"):
+    with pytest.raises(ValueError, match="not parameters"):
         opfuse.compile(model, (_ids(1, 8),), dynamic_shapes={"tokens": {1: Dim.AUTO}})
     with pytest.raises(TypeError, match="dict, tuple or list"):
         opfuse.compile(model, (_ids(1, 8),), dynamic_shapes=3)
@@ -319,3 +319,44 @@ def test_frozen_weights_pack_once_for_every_shape(monkeypatch: pytest.MonkeyPatc
     used = [g.implementation for e in fast._entries.values() for g in e.report.groups]  # type: ignore[attr-defined]
     assert sum(u.startswith("opfuse-gemm") for u in used) == 2 * 5, used
     assert first == 2 and len(packed) == 2, packed
+
+
+def test_sizes_the_model_returns_are_this_calls() -> None:
+    """A model that returns a size (`x.shape[1]`) returns each call's, not the export's
+    symbol."""
+
+    class ShapeOut(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+            return x.softmax(-1), x.shape[1], x.shape[0] * x.shape[1]
+
+    m = ShapeOut().eval()
+    fast = opfuse.compile(m, (torch.randn(2, 8),))
+    for n in (12, 16, 20):
+        x = torch.randn(2, n)
+        y, width, numel = fast(x)
+        assert (width, numel) == (n, 2 * n) and type(width) is int
+        torch.testing.assert_close(y, m(x)[0])
+
+
+def test_dynamic_shapes_by_name_through_args_and_kwargs() -> None:
+    """A forward taking *args and **kwargs: dynamic_shapes by parameter name, the
+    `*args` entry a sequence and the `**kwargs` one a dict."""
+
+    class Loose(nn.Module):
+        def forward(self, *xs: torch.Tensor, **extra: torch.Tensor) -> torch.Tensor:
+            return torch.relu(xs[0] @ xs[1]) + extra["bias"]
+
+    m = Loose().eval()
+    rows = Dim("rows", min=2, max=64)
+
+    def inputs(r: int) -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+        return (torch.randn(r, 8), torch.randn(8, 5)), {"bias": torch.randn(r, 5)}
+
+    args, kwargs = inputs(4)
+    spec = {"xs": ({0: rows}, None), "extra": {"bias": {0: rows}}}
+    fast = opfuse.compile(m, args, example_kwargs=kwargs, dynamic_shapes=spec)
+    for r in (4, 9, 30):
+        args, kwargs = inputs(r)
+        torch.testing.assert_close(fast(*args, **kwargs), m(*args, **kwargs))
+    notes = [e.report.dynamic for e in fast._entries.values()]  # type: ignore[attr-defined]
+    assert len(notes) == 3 and all("input 0 dim 0" in n[0] for n in notes)

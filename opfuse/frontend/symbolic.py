@@ -16,6 +16,7 @@ as its own static export.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import sizes, structure
-from .capture import Captured, Exported, capture_exported, export_model
+from .capture import Captured, CaptureError, Exported, capture_exported, export_model
 
 DimSpec = dict[int, Any] | None  # per tensor leaf: its symbolic dims (torch.export.Dim)
 
@@ -88,7 +89,27 @@ class Family:
         """The export captured at `leaves`' sizes (admitted ones)."""
         captured = capture_exported(self.exported, tuple(leaves), {})
         captured.dynamic = self.note
+        assert captured.out_spec is not None
+        captured.out_spec = _evaluated(captured.out_spec, sizes.bind(self.inputs, leaves))
         return captured
+
+
+def _evaluated(spec: structure.Spec, binding: sizes.Binding) -> structure.Spec:
+    """The output structure with the sizes it returns (`x.shape[1]`, recorded by the
+    export as symbols) evaluated at these inputs' sizes."""
+    if spec.kind == "const":
+        value = spec.context
+        if isinstance(value, (torch.SymFloat, torch.SymBool)) or (
+            isinstance(value, torch.SymInt) and sizes.value_of(value, binding) is None
+        ):
+            raise CaptureError(f"the model returns {value}, which has no value here")
+        if isinstance(value, torch.SymInt):
+            return dataclasses.replace(spec, context=sizes.value_of(value, binding))
+        return spec
+    if not spec.children:
+        return spec
+    children = tuple(_evaluated(c, binding) for c in spec.children)
+    return dataclasses.replace(spec, children=children)
 
 
 def export_family(
@@ -173,20 +194,13 @@ def given_dims(
     kwargs: dict[str, Any],
     dynamic_shapes: Any,
 ) -> list[DimSpec]:
-    """The caller's `dynamic_shapes` (torch.export's form: per argument of the model's
-    forward, by position or by name, a tensor's dims as a dict or a sequence) per leaf of
-    (args, kwargs)."""
-    params = list(inspect.signature(model.forward).bind(*args, **kwargs).arguments)
+    """The caller's `dynamic_shapes` per leaf of (args, kwargs). As torch.export takes it:
+    a dict by the names of the model's forward parameters (a `*args` parameter's entry a
+    sequence, a `**kwargs` one's a dict), or a sequence, one entry per argument of the
+    call (positional ones, then keywords); a tensor's dims as a dict or a sequence."""
     values = [*args, *kwargs.values()]
-    names = params[: len(args)] + list(kwargs)
     if isinstance(dynamic_shapes, dict):
-        unknown = set(dynamic_shapes) - set(names)
-        if unknown:
-            raise ValueError(
-                f"opfuse: dynamic_shapes names {sorted(unknown)}, which are not arguments "
-                f"of this call ({', '.join(names)})"
-            )
-        specs = [dynamic_shapes.get(n) for n in names]
+        specs = _by_name(model, args, kwargs, dynamic_shapes)
     elif isinstance(dynamic_shapes, (tuple, list)):
         if len(dynamic_shapes) > len(values):
             raise ValueError(
@@ -200,6 +214,42 @@ def given_dims(
     for value, spec in zip(values, specs):
         _leaf_dims(value, spec, out)
     return out
+
+
+def _by_name(
+    model: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], given: dict[str, Any]
+) -> list[Any]:
+    """A dict of dynamic shapes by parameter name, per argument of the call."""
+    params = inspect.signature(model.forward).parameters
+    kinds = inspect.Parameter
+    positional = [
+        p.name
+        for p in params.values()
+        if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
+    ]
+    var_args = next((p.name for p in params.values() if p.kind == kinds.VAR_POSITIONAL), None)
+    var_kw = next((p.name for p in params.values() if p.kind == kinds.VAR_KEYWORD), None)
+    unknown = set(given) - set(params)
+    if unknown:
+        raise ValueError(
+            f"opfuse: dynamic_shapes names {sorted(unknown)}, which are not parameters of "
+            f"the model's forward ({', '.join(params)})"
+        )
+    specs: list[Any] = []
+    for i in range(len(args)):
+        if i < len(positional):
+            specs.append(given.get(positional[i]))
+        else:
+            rest = given.get(var_args) if var_args is not None else None
+            j = i - len(positional)
+            specs.append(rest[j] if rest is not None and j < len(rest) else None)
+    for k in kwargs:
+        if k in params and params[k].kind not in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD):
+            specs.append(given.get(k))
+        else:
+            rest = given.get(var_kw) if var_kw is not None else None
+            specs.append(rest.get(k) if isinstance(rest, dict) else None)
+    return specs
 
 
 def _leaf_dims(value: Any, spec: Any, out: list[DimSpec]) -> None:
