@@ -211,7 +211,17 @@ class CompiledModule(torch.nn.Module):
             captured.state[k] = self._state.setdefault(k, v)
         compiled: CompiledGraph | None
         try:
-            compiled = compile_graph(captured.graph, self._options, captured.eager_kernels)
+            try:
+                compiled = compile_graph(captured.graph, self._options, captured.eager_kernels)
+            except Exception as e:
+                if not captured.dynamic:
+                    raise
+                # the sizes as symbols are ours to get wrong: this shape exports on its own
+                log.debug("compiling from the symbolic export failed: %s: %s", type(e).__name__, e)
+                captured = capture_module(model, args, kwargs)
+                for k, v in captured.state.items():
+                    captured.state[k] = self._state.setdefault(k, v)
+                compiled = compile_graph(captured.graph, self._options, captured.eager_kernels)
             report = compiled.report
             if captured.dynamic:
                 report.dynamic.append(captured.dynamic)

@@ -360,3 +360,33 @@ def test_dynamic_shapes_by_name_through_args_and_kwargs() -> None:
         torch.testing.assert_close(fast(*args, **kwargs), m(*args, **kwargs))
     notes = [e.report.dynamic for e in fast._entries.values()]  # type: ignore[attr-defined]
     assert len(notes) == 3 and all("input 0 dim 0" in n[0] for n in notes)
+
+
+def test_a_symbolic_graph_that_fails_to_compile_exports_the_shape_on_its_own(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Should compiling from the export with symbolic sizes fail (ours to get wrong), the
+    shape exports statically and compiles: no warning, no torch.compile fallback."""
+    import warnings
+
+    from opfuse import api
+    from opfuse.ir.graph import size_symbols
+
+    real = api.compile_graph
+
+    def refusing(graph: Any, *a: Any, **k: Any) -> Any:
+        if size_symbols([graph]):
+            raise RuntimeError("no symbolic sizes here")
+        return real(graph, *a, **k)
+
+    monkeypatch.setattr(api, "compile_graph", refusing)
+    torch.manual_seed(0)
+    model = _Encoder().eval()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fast = opfuse.compile(model, (_ids(1, 16),))
+        for s in (24, 40):
+            x = _ids(1, s)
+            torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-4)
+    entries = list(fast._entries.values())  # type: ignore[attr-defined]
+    assert all(e.compiled is not None and not e.report.dynamic for e in entries)
