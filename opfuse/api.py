@@ -274,8 +274,13 @@ class CompiledModule(torch.nn.Module):
         if self._dynamic_shapes is not None and family is None:
             dims = given_dims(model, args, ordered, self._dynamic_shapes)
         elif self._entries:
-            dims = changed_dims(next(iter(self._entries)), leaves)
+            # the latest shape these inputs differ from in tensor sizes only (a decode
+            # step's cache length: the step before, not the prompt)
+            found = (changed_dims(sig, leaves) for sig in reversed(self._entries))
+            dims = next((d for d in found if d is not None), None)
             if dims is not None and family is not None:
+                if len(dims) != len(family.dims):
+                    return None  # another structure of inputs: the export serves its own
                 dims = [{**(a or {}), **(b or {})} or None for a, b in zip(dims, family.dims)]
                 if dims == family.dims:
                     return None  # the export keeps these dims symbolic but refused the values

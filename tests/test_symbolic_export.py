@@ -390,3 +390,35 @@ def test_a_symbolic_graph_that_fails_to_compile_exports_the_shape_on_its_own(
             torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-4)
     entries = list(fast._entries.values())  # type: ignore[attr-defined]
     assert all(e.compiled is not None and not e.report.dynamic for e in entries)
+
+
+def test_decode_steps_share_an_export_after_the_prompt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prompt, then steps on a growing cache (another input structure than the
+    prompt's): the second step exports with the cache length symbolic, later steps export
+    nothing."""
+
+    class Step(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb, self.proj = nn.Embedding(50, 32), nn.Linear(32, 32)
+
+        def forward(
+            self, ids: torch.Tensor, past: torch.Tensor | None = None
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.proj(self.emb(ids))
+            keys = h if past is None else torch.cat([past, h], 1)
+            weights = torch.softmax(h @ keys.transpose(1, 2), -1)
+            return keys, weights @ keys
+
+    torch.manual_seed(0)
+    model = Step().eval()
+    exports = _counting_exports(monkeypatch)
+    with torch.no_grad():
+        fast = opfuse.compile(model, (_ids(1, 8),))
+        past = torch.randn(1, 8, 32)
+        for _ in range(5):
+            x = _ids(1, 1)
+            keys, out = fast(x, past)
+            torch.testing.assert_close((keys, out), model(x, past), rtol=1e-4, atol=1e-4)
+            past = keys
+    assert len(exports) == 3, exports  # the prompt, the first step, the steps after
