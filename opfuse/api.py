@@ -198,17 +198,20 @@ class CompiledModule(torch.nn.Module):
     def _flat(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
             return list(args)  # the common call: pytree costs ~10 us of a small model's call
+        return pytree.tree_leaves((tuple(args), self._ordered(kwargs)))
+
+    def _ordered(self, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """kwargs in the first call's order (their leaves' order in a signature)."""
         ordered = {k: kwargs[k] for k in self._kw_order if k in kwargs}
         ordered.update({k: v for k, v in kwargs.items() if k not in ordered})
-        return pytree.tree_leaves((tuple(args), ordered))
+        return ordered
 
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Entry:
         model = self.__dict__["_model"]
         leaves = self._flat(args, kwargs)
         sig = _signature(leaves)
-        captured = self._reuse.pop(sig, None) or self._capture(model, args, kwargs, leaves)
-        for k, v in captured.state.items():
-            captured.state[k] = self._state.setdefault(k, v)
+        reused = self._reuse.pop(sig, None)
+        captured = self._share_state(reused or self._capture(model, args, kwargs, leaves))
         compiled: CompiledGraph | None
         try:
             try:
@@ -218,9 +221,7 @@ class CompiledModule(torch.nn.Module):
                     raise
                 # the sizes as symbols are ours to get wrong: this shape exports on its own
                 log.debug("compiling from the symbolic export failed: %s: %s", type(e).__name__, e)
-                captured = capture_module(model, args, kwargs)
-                for k, v in captured.state.items():
-                    captured.state[k] = self._state.setdefault(k, v)
+                captured = self._share_state(capture_module(model, args, kwargs))
                 compiled = compile_graph(captured.graph, self._options, captured.eager_kernels)
             report = compiled.report
             if captured.dynamic:
@@ -235,6 +236,12 @@ class CompiledModule(torch.nn.Module):
         self._entries[sig] = entry
         self._watch = ParameterWatch(model, self._frozen())
         return entry
+
+    def _share_state(self, captured: Captured) -> Captured:
+        """The buffers the graph updates, one copy for every compiled signature."""
+        for k, v in captured.state.items():
+            captured.state[k] = self._state.setdefault(k, v)
+        return captured
 
     def _capture(
         self,
@@ -268,8 +275,7 @@ class CompiledModule(torch.nn.Module):
         family = self._family
         if family is not None and family.admits(leaves):
             return family
-        ordered = {k: kwargs[k] for k in self._kw_order if k in kwargs}
-        ordered.update({k: v for k, v in kwargs.items() if k not in ordered})
+        ordered = self._ordered(kwargs)
         dims: list[DimSpec] | None
         if self._dynamic_shapes is not None and family is None:
             dims = given_dims(model, args, ordered, self._dynamic_shapes)

@@ -142,3 +142,18 @@ def fresh_cache(tmp_path: Any, monkeypatch: Any) -> Any:
     d = tmp_path / "cache"
     monkeypatch.setenv("OPFUSE_CACHE_DIR", str(d))
     return d
+
+
+def count_compiler_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one each time the C compiler runs (a library built)."""
+    from opfuse.backends.c import build
+
+    runs: list[int] = []
+    real = build._compile
+
+    def counting(*a: Any) -> None:
+        runs.append(1)
+        real(*a)
+
+    monkeypatch.setattr(build, "_compile", counting)
+    return runs

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 from opfuse.backends.c import build
 from opfuse.bench import models
 from opfuse.ir.size import Size, gcd, symbolic_text
+from tests.conftest import count_compiler_runs
 
 
 def _value_of(text: str, values: dict[str, int]) -> int:
@@ -83,18 +84,6 @@ def test_c_helpers_divide_as_python_does() -> None:
     assert lib.fn("probe")(None, 1) == 0
 
 
-def _compiler_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    runs: list[int] = []
-    real = build._compile
-
-    def counting(*a: Any) -> None:
-        runs.append(1)
-        real(*a)
-
-    monkeypatch.setattr(build, "_compile", counting)
-    return runs
-
-
 def _timed(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     from opfuse import autotune
 
@@ -143,7 +132,7 @@ def test_every_size_matches_eager_and_the_kernels_build_once(sizes: list[int]) -
     from 65 columns on, a sum over more than 16 rows runs in float64), but the runtime's
     parallel one, which the kernels take as they run."""
     with pytest.MonkeyPatch.context() as mp:
-        runs, timed = _compiler_runs(mp), _timed(mp)
+        runs, timed = count_compiler_runs(mp), _timed(mp)
         torch.manual_seed(0)
         model = _Block().eval()
         _run_sizes(model, lambda s: (torch.randn(s, 48),), sizes[:1])
@@ -165,7 +154,7 @@ def test_an_encoder_over_lengths_builds_once(monkeypatch: pytest.MonkeyPatch) ->
         mask[0, s // 2 :] = 0
         return torch.randint(0, 300, (1, s), generator=g), mask
 
-    runs = _compiler_runs(monkeypatch)
+    runs = count_compiler_runs(monkeypatch)
     torch._dynamo.reset()
     f = torch.compile(model, backend="opfuse", dynamic=True, options={"cache_limit": 64})
     counts = []

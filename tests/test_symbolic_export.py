@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 from torch.export import Dim
 
 import opfuse
-from opfuse.backends.c import build
 from opfuse.bench import models
+from tests.conftest import count_compiler_runs
 
 
 class _Encoder(nn.Module):
@@ -58,18 +58,6 @@ def _counting_exports(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     return calls
 
 
-def _builds(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    runs: list[int] = []
-    real = build._compile
-
-    def counting(*a: Any) -> None:
-        runs.append(1)
-        real(*a)
-
-    monkeypatch.setattr(build, "_compile", counting)
-    return runs
-
-
 def test_a_second_length_exports_once_with_symbolic_sizes(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -77,7 +65,7 @@ def test_a_second_length_exports_once_with_symbolic_sizes(
     and run no C compiler; each one matches eager and its report says how."""
     torch.manual_seed(0)
     model = _Encoder().eval()
-    exports, builds = _counting_exports(monkeypatch), _builds(monkeypatch)
+    exports, builds = _counting_exports(monkeypatch), count_compiler_runs(monkeypatch)
     with torch.no_grad():
         fast = opfuse.compile(model, (_ids(2, 24),))
         after: list[tuple[int, int]] = []
@@ -257,7 +245,7 @@ def test_bert_lengths_share_builds(monkeypatch: pytest.MonkeyPatch) -> None:
         mask[0, s // 2 :] = 0
         return _ids(1, s) % 300, mask
 
-    exports, builds = _counting_exports(monkeypatch), _builds(monkeypatch)
+    exports, builds = _counting_exports(monkeypatch), count_compiler_runs(monkeypatch)
     counts = []
     with torch.no_grad():
         fast = opfuse.compile(model, inputs(32))
@@ -276,7 +264,7 @@ def test_a_torch_compile_of_the_same_model_does_not_split_the_builds(
     into the other's kernels (they would differ from the other lengths' and build)."""
     torch.manual_seed(0)
     model = _Encoder().eval()
-    builds = _builds(monkeypatch)
+    builds = count_compiler_runs(monkeypatch)
     torch._dynamo.reset()
     dyn = torch.compile(model, backend="opfuse", dynamic=True)
     counts = []
