@@ -193,6 +193,9 @@ def test_cli_explain_table_json_svg_html(tmp_path) -> None:  # type: ignore[no-u
         ([f"{MODELS}:resnet_block", "--input", "1x2:complex7"], "unknown dtype"),
         ([f"{MODELS}:resnet_block"], "give at least one --input"),
         (["no_colon_here", "--input", "1"], "expected MODULE:FACTORY"),
+        ([f"{MODELS}:mlp", "--input", "4x16", "--dynamic", "0:2"], "input 0 has 2 dims"),
+        ([f"{MODELS}:mlp", "--input", "4x16", "--dynamic", "1:0"], "there are 1 inputs"),
+        ([f"{MODELS}:mlp", "--input", "4x16", "--dynamic", "rows"], "expected INPUT:DIM"),
     ],
 )
 def test_cli_errors_are_one_line(args: list[str], message: str) -> None:
@@ -201,6 +204,13 @@ def test_cli_errors_are_one_line(args: list[str], message: str) -> None:
     assert message in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_cli_explain_dynamic_says_which_sizes_are_symbols() -> None:
+    out = cli("explain", f"{MODELS}:mlp", "--input", "4x16", "--dynamic", "0:0", "--dynamic", "0:1")
+    assert out.returncode == 0, out.stderr
+    assert "exported once with symbolic sizes (input 0 dim 0 = s" in out.stdout
+    assert "input 0 dim 1 stays 16" in out.stdout  # the Linear needs its width
 
 
 def test_cli_bisect() -> None:

@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         model, inputs = _setup(args)
-        report = opfuse.explain(model, inputs)
+        report = opfuse.explain(model, inputs, dynamic_shapes=_dynamic(args.dynamic, inputs))
     except UsageError as e:
         print(f"opfuse explain: error: {e}", file=sys.stderr)
         return 2
@@ -176,11 +176,35 @@ def run_bisect(args: argparse.Namespace) -> int:
     return 1 if result.without_fusion else 0
 
 
+def _dynamic(given: list[str], inputs: tuple[Any, ...]) -> tuple[dict[int, Any], ...] | None:
+    """`--dynamic K:D` (input K's dim D symbolic) as explain's dynamic_shapes."""
+    if not given:
+        return None
+    dims: list[dict[int, Any]] = [{} for _ in inputs]
+    for item in given:
+        try:
+            k, d = (int(x) for x in item.split(":"))
+        except ValueError:
+            raise UsageError(f"--dynamic {item}: expected INPUT:DIM, e.g. 0:1") from None
+        if not 0 <= k < len(inputs):
+            raise UsageError(f"--dynamic {item}: there are {len(inputs)} inputs")
+        if not 0 <= d < inputs[k].dim():
+            raise UsageError(f"--dynamic {item}: input {k} has {inputs[k].dim()} dims")
+        dims[k][d] = torch.export.Dim.AUTO
+    return tuple(dims)
+
+
 def add_arguments(p: argparse.ArgumentParser, outputs: bool) -> None:
     p.add_argument("target", help="MODULE:FACTORY (an importable module or a .py file path)")
     p.add_argument("--input", action="append", default=[], help="a shape, e.g. 1x3x224x224[:int64]")
     p.add_argument("--dtype", default="float32", help="dtype of inputs without their own")
     if outputs:
+        p.add_argument(
+            "--dynamic",
+            action="append",
+            default=[],
+            help="INPUT:DIM, e.g. 0:1: that size symbolic (the report says if it stays so)",
+        )
         p.add_argument("--json", action="store_true", help="print the report as JSON")
         p.add_argument("--html", help="write a self-contained HTML report here")
         p.add_argument("--svg", help="write the graph picture here")
