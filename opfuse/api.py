@@ -304,6 +304,16 @@ class CompiledModule(torch.nn.Module):
                 log.debug("no export with symbolic sizes: %s", e)
             return None
         self._family = family
+        try:
+            note = family.make_generic(self._options)
+        except Exception as e:  # compiling per shape stays correct
+            log.debug("no generic compile of the export: %s: %s", type(e).__name__, e)
+            note = None
+        if note is not None:
+            family.note = f"{family.note}; {note}"
+            first = self.__dict__.get("_first")
+            if first is not None:  # where users look: what later shapes run
+                first.report.dynamic.append(family.note)
         return family if family.admits(leaves) else None
 
     def _frozen(self) -> dict[str, torch.Tensor]:
@@ -369,6 +379,9 @@ class CompiledModule(torch.nn.Module):
                         raise RecompileError(
                             f"opfuse: {_describe_mismatch(sig, known)}; recompiling is switched off"
                         )
+                    generic = self._generic(args, kwargs, leaves)
+                    if generic is not None:
+                        return generic(leaves)
                     full = self._full()
                     if full is not None:
                         # Each input shape keeps its plan, memory pool and, for shapes
@@ -406,6 +419,17 @@ class CompiledModule(torch.nn.Module):
                 cap.state[k].copy_(v)
         assert cap.out_spec is not None
         return structure.unflatten(cap.out_spec, user)
+
+    def _generic(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any]
+    ) -> Callable[[Sequence[Any]], Any] | None:
+        """The export compiled once for every shape it admits, if it serves these inputs
+        (Family.make_generic); made with the export."""
+        model = self.__dict__["_model"]
+        family = self._family_for(model, args, kwargs, leaves)
+        if family is None or family.generic is None:
+            return None
+        return family.generic
 
     def _full(self) -> str | None:
         """Why no further input shape may compile (None: one may)."""

@@ -410,3 +410,26 @@ def test_decode_steps_share_an_export_after_the_prompt(monkeypatch: pytest.Monke
             torch.testing.assert_close((keys, out), model(x, past), rtol=1e-4, atol=1e-4)
             past = keys
     assert len(exports) == 3, exports  # the prompt, the first step, the steps after
+
+
+def test_a_mostly_static_export_compiles_once_for_every_shape(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """GPT-2 generation through opfuse.compile: the prompt and the first step compile;
+    the second step exports with the cache lengths symbolic, and since most of that
+    graph's work has static sizes, its static regions compile once and serve every later
+    step (attention over the cache with torch): no compile, no build per token."""
+    torch.manual_seed(0)
+    model = models.realistic(models.GPT2Decoder(layers=2, dim=96, vocab=100)).eval()
+    prompt = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    exports, builds = _counting_exports(monkeypatch), count_compiler_runs(monkeypatch)
+    with torch.no_grad():
+        expected = models.generate(model, prompt, 12)
+        fast = opfuse.compile(model, (prompt,))
+        got = models.generate(fast, prompt, 4)
+        before = len(builds)
+        got = models.generate(fast, prompt, 12)
+    assert torch.equal(got, expected)
+    assert len(exports) == 3 and len(builds) == before
+    assert len(fast._entries) == 2  # type: ignore[attr-defined]
+    assert "static regions compiled once serve every shape" in fast.report.dynamic[0]

@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
+from ..options import Options
 from . import sizes, structure
 from .capture import Captured, CaptureError, Exported, capture_exported, export_model
+from .dynamic import install, split_static, static_share
 
 DimSpec = dict[int, Any] | None  # per tensor leaf: its symbolic dims (torch.export.Dim)
 
@@ -59,6 +61,9 @@ class Family:
     dims: list[DimSpec]  # per leaf: the dims asked to be symbolic
     inputs: list[Any]  # per leaf: the export's input (a fake tensor, or the value)
     note: str  # for the report: which sizes are symbols, which the export fixed and why
+    # The export's graph run once for every shape it admits: its static regions compiled
+    # once, the ops sized by a symbol with torch (make_generic); None: per shape.
+    generic: Callable[..., Any] | None = None
 
     def admits(self, leaves: Sequence[Any]) -> bool:
         """Does the export hold for inputs `leaves`?"""
@@ -84,6 +89,50 @@ class Family:
             if value is not None and not (bounds.lower <= value <= bounds.upper):
                 return False
         return True
+
+    def make_generic(self, options: Options) -> str | None:
+        """Compile the export once for every shape when most of its work has static sizes
+        (a decode step: all but attention over the cache), as the torch.compile backend
+        does (frontend/dynamic.py); the note for the report, or None (per shape)."""
+        from .dynamo import GENERIC_SHARE, _compile_regions
+
+        ep = self.exported.program
+        sig = ep.graph_signature
+        if sig.buffers_to_mutate or sig.user_inputs_to_mutate:
+            return None  # (what a generic run would have to write back)
+        gm = ep.graph_module
+        share = static_share(gm)
+        if share < GENERIC_SHARE:
+            return None
+        from torch.export.graph_signature import InputKind
+
+        user = _user_inputs(ep)
+        state = [
+            None
+            if s.kind == InputKind.USER_INPUT
+            else ep.state_dict.get(s.target, ep.constants.get(s.target))
+            for s in sig.input_specs
+        ]
+        split = split_static(gm, [i for i in range(len(state)) if i not in user])
+        install(
+            split, _compile_regions(split.regions, replace(options, freeze=False), split.static)
+        )
+        run = split.module.forward
+
+        def generic(leaves: Sequence[Any]) -> Any:
+            values = list(state)
+            for i, leaf in zip(user, leaves):
+                values[i] = leaf
+            outs = run(*values)
+            spec = _evaluated(self.exported.spec, sizes.bind(self.inputs, leaves))
+            return structure.unflatten(spec, list(outs))
+
+        self.generic = generic
+        return (
+            f"{share:.0%} of the export's ops have static sizes: its {len(split.regions)} "
+            "static regions compiled once serve every shape it admits, with no compile per "
+            f"shape; {len(split.dynamic_ops)} ops sized by a symbol run with torch"
+        )
 
     def capture(self, leaves: Sequence[Any]) -> Captured:
         """The export captured at `leaves`' sizes (admitted ones)."""
