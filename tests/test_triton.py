@@ -412,15 +412,10 @@ def test_auto_backend_is_triton_for_gpu_graphs() -> None:
     torch.testing.assert_close(f(x), (x.relu() * 2).softmax(-1))
 
 
-def test_symbolic_sizes_render_one_jit_function_for_every_size(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Under dynamic=True each size compiles, and each renders the same @triton.jit
-    functions (sizes as parameters the launcher passes), so Triton compiles them once per
-    block shape; rows, row lengths and a softmax over the symbolic length match eager."""
+def _kept_sources(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The Triton modules loaded from now on, as source text."""
     from opfuse.backends.triton import build as triton_build
 
-    monkeypatch.setenv("OPFUSE_BACKEND", "triton")
     sources: list[str] = []
     real = triton_build.load
 
@@ -429,21 +424,37 @@ def test_symbolic_sizes_render_one_jit_function_for_every_size(
         return real(source)
 
     monkeypatch.setattr(triton_build, "load", keep)
+    return sources
 
-    def fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h = F.layer_norm(x + y.tanh(), (x.shape[-1],))
-        return torch.softmax(h @ h.transpose(0, 1), -1).sum(0) * 2
 
-    torch._dynamo.reset()
-    f = torch.compile(fn, backend="opfuse", dynamic=True)
-    with torch.no_grad():
-        for n in (70, 90, 100):
-            x, y = torch.randn(n, 24), torch.randn(n, 24)
-            torch.testing.assert_close(f(x, y), fn(x, y), rtol=1e-5, atol=1e-5)
-    torch._dynamo.reset()
+def _norm_scores(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Rows, row lengths and a softmax over the rows: all sized by the row count."""
+    h = F.layer_norm(x + y.tanh(), (x.shape[-1],))
+    return torch.softmax(h @ h.transpose(0, 1), -1).sum(0) * 2
+
+
+def _check_one_jit_set(sources: list[str]) -> None:
     jit = [_jit_functions(s) for s in sources]
     assert len(jit) == 3 and jit[0] and jit[0] == jit[1] == jit[2]
     assert any("opfuse_s" in j for j in jit[0])
+
+
+def test_symbolic_sizes_render_one_jit_function_for_every_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Under dynamic=True each size compiles, and each renders the same @triton.jit
+    functions (sizes as parameters the launcher passes), so Triton compiles them once per
+    block shape; rows, row lengths and a softmax over the symbolic length match eager."""
+    monkeypatch.setenv("OPFUSE_BACKEND", "triton")
+    sources = _kept_sources(monkeypatch)
+    torch._dynamo.reset()
+    f = torch.compile(_norm_scores, backend="opfuse", dynamic=True)
+    with torch.no_grad():
+        for n in (70, 90, 100):
+            x, y = torch.randn(n, 24), torch.randn(n, 24)
+            torch.testing.assert_close(f(x, y), _norm_scores(x, y), rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+    _check_one_jit_set(sources)
 
 
 def test_opfuse_compile_over_lengths_renders_one_jit_function(
@@ -451,29 +462,14 @@ def test_opfuse_compile_over_lengths_renders_one_jit_function(
 ) -> None:
     """opfuse.compile with the Triton backend over lengths: the shapes captured from the
     export with symbolic sizes render the same @triton.jit functions, and match eager."""
-    from opfuse.backends.triton import build as triton_build
-
-    sources: list[str] = []
-    real = triton_build.load
-
-    def keep(source: str) -> object:
-        sources.append(source)
-        return real(source)
-
-    monkeypatch.setattr(triton_build, "load", keep)
-
-    def fn(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        h = F.layer_norm(x + y.tanh(), (x.shape[-1],))
-        return torch.softmax(h @ h.transpose(0, 1), -1).sum(0) * 2
-
+    sources = _kept_sources(monkeypatch)
     with torch.no_grad():
-        f = opfuse.compile(fn, (torch.randn(60, 24), torch.randn(60, 24)), options=TRITON)
+        example = (torch.randn(60, 24), torch.randn(60, 24))
+        f = opfuse.compile(_norm_scores, example, options=TRITON)
         for n in (70, 90, 100):
             x, y = torch.randn(n, 24), torch.randn(n, 24)
-            torch.testing.assert_close(f(x, y), fn(x, y), rtol=1e-5, atol=1e-5)
-    jit = [_jit_functions(s) for s in sources[1:]]  # the first shape compiled statically
-    assert len(jit) == 3 and jit[0] and jit[0] == jit[1] == jit[2]
-    assert any("opfuse_s" in j for j in jit[0])
+            torch.testing.assert_close(f(x, y), _norm_scores(x, y), rtol=1e-5, atol=1e-5)
+    _check_one_jit_set(sources[1:])  # the first shape compiled statically
 
 
 def _jit_functions(source: str) -> list[str]:
