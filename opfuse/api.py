@@ -28,6 +28,8 @@ log = logging.getLogger("opfuse")
 # Exports with symbolic sizes one compiled module tries: a second one when inputs change
 # dims the first kept static (a batch size after sequence lengths).
 MAX_EXPORTS = 2
+# Signatures remembered as served by an export's generic run (each is checked once).
+GENERIC_SIGNATURES = 4096
 
 
 class RecompileError(RuntimeError):
@@ -160,6 +162,8 @@ class CompiledModule(torch.nn.Module):
         self._dynamic_shapes = dynamic_shapes
         self._family: Family | None = None
         self._exports = 0  # exports with symbolic sizes tried
+        # signatures the family's generic run serves (Family.make_generic)
+        self._generic_runs: dict[tuple[Any, ...], Callable[[Sequence[Any]], Any]] = {}
         self._first = self._compile(args, kwargs)
 
     @property
@@ -178,6 +182,7 @@ class CompiledModule(torch.nn.Module):
         new._cache_limit = self._cache_limit
         # the export holds this module's weights: the copy exports its own when it needs one
         new._dynamic_shapes, new._family, new._exports = self._dynamic_shapes, None, 0
+        new._generic_runs = {}
         new._kw_order = list(self._kw_order)
         new._lock, new._dynamo = threading.Lock(), None
         new._entries = {}
@@ -317,7 +322,9 @@ class CompiledModule(torch.nn.Module):
         return family if family.admits(leaves) else None
 
     def _frozen(self) -> dict[str, torch.Tensor]:
-        return {k: v for e in self._entries.values() for k, v in e.captured.frozen.items()}
+        out = dict(self._family.frozen) if self._family is not None else {}
+        out.update((k, v) for e in self._entries.values() for k, v in e.captured.frozen.items())
+        return out
 
     def refresh(self) -> None:
         """Compile again from the model's live parameters and buffers on the next call.
@@ -332,7 +339,7 @@ class CompiledModule(torch.nn.Module):
     def _invalidate(self, recapture: bool) -> None:
         self._reuse = {} if recapture else {s: e.captured for s, e in self._entries.items()}
         if recapture:  # the export holds the tensors that were replaced
-            self._family, self._exports = None, 0
+            self._family, self._exports, self._generic_runs = None, 0, {}
         # compiled before: they compile again even with recompile=False
         self._stale |= set(self._entries)
         self._entries = {}
@@ -367,6 +374,9 @@ class CompiledModule(torch.nn.Module):
             return self._through_dynamo(*args, **kwargs)
         sig = _signature(leaves)
         entry = self._entries.get(sig)
+        generic = self._generic_runs.get(sig) if entry is None else None
+        if generic is not None:
+            return generic(leaves)
         if entry is None:
             with self._lock:
                 entry = self._entries.get(sig)
@@ -381,11 +391,9 @@ class CompiledModule(torch.nn.Module):
                         )
                     generic = self._generic(args, kwargs, leaves)
                     if generic is not None:
-                        try:
-                            return generic(leaves)
-                        except Exception as e:  # an assertion the export left fails here:
-                            # the graph writes nothing, so this shape compiles on its own
-                            log.debug("generic run refused: %s: %s", type(e).__name__, e)
+                        served, out = self._serve_generic(sig, generic, leaves)
+                        if served:
+                            return out
                     full = self._full()
                     if full is not None:
                         # Each input shape keeps its plan, memory pool and, for shapes
@@ -434,6 +442,24 @@ class CompiledModule(torch.nn.Module):
         if family is None or family.generic is None:
             return None
         return family.generic
+
+    def _serve_generic(
+        self, sig: tuple[Any, ...], generic: Callable[[Sequence[Any]], Any], leaves: list[Any]
+    ) -> tuple[bool, Any]:
+        """Run the export's generic compile: (True, outputs), or (False, None) when it
+        refuses these inputs (an assertion the export left fails here; the graph writes
+        nothing, so the shape then compiles on its own)."""
+        try:
+            out = generic(leaves)
+        except Exception as e:
+            log.debug("generic run refused: %s: %s", type(e).__name__, e)
+            return False, None
+        if len(self._generic_runs) >= GENERIC_SIGNATURES:
+            self._generic_runs.clear()  # they are only a shortcut
+        self._generic_runs[sig] = generic  # admitted: not checked again
+        if self._watch is None:  # compiled shapes were dropped: follow the export's weights
+            self._watch = ParameterWatch(self.__dict__["_model"], self._frozen())
+        return True, out
 
     def _full(self) -> str | None:
         """Why no further input shape may compile (None: one may)."""

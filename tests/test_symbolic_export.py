@@ -433,3 +433,25 @@ def test_a_mostly_static_export_compiles_once_for_every_shape(
     assert len(exports) == 3 and len(builds) == before
     assert len(fast._entries) == 2  # type: ignore[attr-defined]
     assert "static regions compiled once serve every shape" in fast.report.dynamic[0]
+
+
+def test_the_generic_run_follows_the_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps served by the export's generic compile see an in-place update of a weight,
+    and a replaced weight, even once every compiled shape was dropped."""
+    torch.manual_seed(0)
+    model = models.realistic(models.GPT2Decoder(layers=1, dim=96, vocab=100)).eval()
+    prompt = torch.randint(0, 100, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        fast = opfuse.compile(model, (prompt,))
+        torch.testing.assert_close(
+            models.generate(fast, prompt, 6), models.generate(model, prompt, 6)
+        )
+        model.get_parameter("blocks.0.fc.weight").mul_(1.5)
+        with pytest.warns(RuntimeWarning, match="compiling again"):
+            got = models.generate(fast, prompt, 6)
+        torch.testing.assert_close(got, models.generate(model, prompt, 6))
+        proj = model.get_submodule("blocks.0.proj")
+        proj.weight = nn.Parameter(torch.randn_like(proj.weight))
+        torch.testing.assert_close(
+            models.generate(fast, prompt, 6), models.generate(model, prompt, 6)
+        )

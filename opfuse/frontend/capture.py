@@ -204,12 +204,12 @@ def capture_exported(exported: Exported, args: Sequence[Any], kwargs: dict[str, 
                 state[target] = tensor.detach().clone()
                 placeholders[name] = ("input", ("state", target))
             else:
-                placeholders[name] = ("constant", (_strip(target), tensor.detach()))
-                frozen[_strip(target)] = tensor
+                placeholders[name] = ("constant", (strip(target), tensor.detach()))
+                frozen[strip(target)] = tensor
         elif spec.kind == InputKind.CONSTANT_TENSOR:
             values.append(consts[spec.target])
-            placeholders[name] = ("constant", (_strip(spec.target), consts[spec.target]))
-            frozen[_strip(spec.target)] = consts[spec.target]
+            placeholders[name] = ("constant", (strip(spec.target), consts[spec.target]))
+            frozen[strip(spec.target)] = consts[spec.target]
         else:
             raise CaptureError(f"unsupported graph input kind {spec.kind}")
 
@@ -340,7 +340,8 @@ def _place(t: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     return t.data_ptr(), tuple(t.shape), tuple(t.stride())
 
 
-def _strip(target: str) -> str:
+def strip(target: str) -> str:
+    """A parameter's name in the model, from its name in a wrapper's export."""
     return target[2:] if target.startswith("m.") else target
 
 

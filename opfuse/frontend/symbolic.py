@@ -27,7 +27,14 @@ from torch.utils import _pytree as pytree
 
 from ..options import Options
 from . import sizes, structure
-from .capture import Captured, CaptureError, Exported, capture_exported, export_model
+from .capture import (
+    Captured,
+    CaptureError,
+    Exported,
+    capture_exported,
+    export_model,
+    strip,
+)
 from .dynamic import install, split_static, static_share
 
 DimSpec = dict[int, Any] | None  # per tensor leaf: its symbolic dims (torch.export.Dim)
@@ -61,6 +68,7 @@ class Family:
     dims: list[DimSpec]  # per leaf: the dims asked to be symbolic
     inputs: list[Any]  # per leaf: the export's input (a fake tensor, or the value)
     note: str  # for the report: which sizes are symbols, which the export fixed and why
+    frozen: dict[str, torch.Tensor]  # the model's tensors it reads, by qualified name
     # The export's graph run once for every shape it admits: its static regions compiled
     # once, the ops sized by a symbol with torch (make_generic); None: per shape.
     generic: Callable[..., Any] | None = None
@@ -174,7 +182,22 @@ def export_family(
     user = _user_inputs(exported.program)
     inputs = [placeholders[i].meta.get("val") for i in user]
     note = _note(inputs, dims, exported.program.range_constraints)
-    return Family(exported, list(dims), inputs, note)
+    return Family(exported, list(dims), inputs, note, _frozen(exported.program))
+
+
+def _frozen(ep: Any) -> dict[str, torch.Tensor]:
+    """The model's tensors the export reads, by qualified name (what watch.py follows)."""
+    from torch.export.graph_signature import InputKind
+
+    # only what the graph reads: a change elsewhere (num_batches_tracked) matters not
+    read = {n.name for n in ep.graph_module.graph.find_nodes(op="placeholder") if n.users}
+    out: dict[str, torch.Tensor] = {}
+    for s in ep.graph_signature.input_specs:
+        if s.kind != InputKind.USER_INPUT and s.arg.name in read and isinstance(s.target, str):
+            t = ep.state_dict.get(s.target, ep.constants.get(s.target))
+            if isinstance(t, torch.Tensor):
+                out[strip(s.target)] = t
+    return out
 
 
 def _user_inputs(ep: Any) -> list[int]:
