@@ -164,7 +164,9 @@ class CompiledModule(torch.nn.Module):
         self._exports = 0  # exports with symbolic sizes tried
         # signatures the family's generic run serves (Family.make_generic)
         self._generic_runs: dict[tuple[Any, ...], Callable[[Sequence[Any]], Any]] = {}
-        self._first = self._compile(args, kwargs)
+        self._first = self._compile(
+            args, kwargs, self._family_for(model, args, kwargs, self._flat(args, kwargs))
+        )
 
     @property
     def report(self) -> FusionReport:
@@ -211,12 +213,16 @@ class CompiledModule(torch.nn.Module):
         ordered.update({k: v for k, v in kwargs.items() if k not in ordered})
         return ordered
 
-    def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> _Entry:
+    def _compile(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], family: Family | None
+    ) -> _Entry:
+        """Compile these inputs' signature: captured from `family` (the export with
+        symbolic sizes that admits them, _family_for) when there is one."""
         model = self.__dict__["_model"]
         leaves = self._flat(args, kwargs)
         sig = _signature(leaves)
         reused = self._reuse.pop(sig, None)
-        captured = self._share_state(reused or self._capture(model, args, kwargs, leaves))
+        captured = self._share_state(reused or self._capture(model, args, kwargs, leaves, family))
         compiled: CompiledGraph | None
         try:
             try:
@@ -254,10 +260,10 @@ class CompiledModule(torch.nn.Module):
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         leaves: list[Any],
+        family: Family | None,
     ) -> Captured:
-        """The model traced for these inputs: from the export with symbolic sizes when it
+        """The model traced for these inputs: from the export with symbolic sizes that
         admits them, else by an export of their own."""
-        family = self._family_for(model, args, kwargs, leaves)
         if family is not None:
             try:
                 return family.capture(leaves)
@@ -381,17 +387,18 @@ class CompiledModule(torch.nn.Module):
             with self._lock:
                 entry = self._entries.get(sig)
                 if entry is None:
-                    declared = self._dynamic_shapes is not None and (
-                        self._family is not None and self._family.admits(leaves)
-                    )
-                    if not self._recompile and sig not in self._stale and not declared:
+                    if (
+                        not self._recompile
+                        and sig not in self._stale
+                        and not self._declared(leaves)
+                    ):
                         known = next(iter(self._entries or self._stale))
                         raise RecompileError(
                             f"opfuse: {_describe_mismatch(sig, known)}; recompiling is switched off"
                         )
-                    generic = self._generic(args, kwargs, leaves)
-                    if generic is not None:
-                        served, out = self._serve_generic(sig, generic, leaves)
+                    family = self._family_for(self.__dict__["_model"], args, kwargs, leaves)
+                    if family is not None and family.generic is not None:
+                        served, out = self._serve_generic(sig, family.generic, leaves)
                         if served:
                             return out
                     full = self._full()
@@ -407,7 +414,7 @@ class CompiledModule(torch.nn.Module):
                     if sig in self._untraceable:
                         return self._through_dynamo(*args, **kwargs)
                     try:
-                        entry = self._compile(args, kwargs)
+                        entry = self._compile(args, kwargs, family)
                     except CaptureError as e:
                         # as for the first compile: torch.compile runs what export cannot
                         # trace (data-dependent control flow at these sizes), and raises
@@ -432,16 +439,11 @@ class CompiledModule(torch.nn.Module):
         assert cap.out_spec is not None
         return structure.unflatten(cap.out_spec, user)
 
-    def _generic(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any]
-    ) -> Callable[[Sequence[Any]], Any] | None:
-        """The export compiled once for every shape it admits, if it serves these inputs
-        (Family.make_generic); made with the export."""
-        model = self.__dict__["_model"]
-        family = self._family_for(model, args, kwargs, leaves)
-        if family is None or family.generic is None:
-            return None
-        return family.generic
+    def _declared(self, leaves: list[Any]) -> bool:
+        """Do these inputs have the sizes `dynamic_shapes` declared (the export admits
+        them)? They compile even with recompile=False."""
+        family = self._family
+        return self._dynamic_shapes is not None and family is not None and family.admits(leaves)
 
     def _serve_generic(
         self, sig: tuple[Any, ...], generic: Callable[[Sequence[Any]], Any], leaves: list[Any]

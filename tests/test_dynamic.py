@@ -4,6 +4,7 @@ of the work has static sizes, per size (up to the cache limit) where it does not
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import Any
 
 import pytest
@@ -200,19 +201,25 @@ def test_split_cuts_static_regions_and_leaves_the_graph_alone() -> None:
     torch._dynamo.reset()
 
 
+def _compiles_over(f: Any, fn: Any, rows: Iterable[int], width: int) -> int:
+    """Call `f` on (n, width) inputs for every n in rows, each result checked against
+    `fn`'s; how many compiles the backend ran meanwhile."""
+    before = dynamo.compiles()
+    for n in rows:
+        x = torch.randn(n, width)
+        torch.testing.assert_close(f(x), fn(x))
+    return dynamo.compiles() - before
+
+
 def test_mostly_symbolic_graphs_compile_per_size_then_run_generically() -> None:
     """A graph whose work is all symbolic: each size compiles as before, up to the cache
     limit; past it the generic compile (here: nothing static, all torch) serves."""
     pipeline._warned.clear()
     torch._dynamo.reset()
     fn = lambda x: (x * 2).relu().sum(-1)
-    before = dynamo.compiles()
     f = torch.compile(fn, backend="opfuse", dynamic=True, options={"cache_limit": 2})
     with pytest.warns(RuntimeWarning, match="compiled for 2 input shapes.*static parts fused"):
-        for n in range(2, 7):
-            x = torch.randn(n, 8)
-            torch.testing.assert_close(f(x), fn(x))
-    assert dynamo.compiles() - before == 2
+        assert _compiles_over(f, fn, range(2, 7), 8) == 2
     torch._dynamo.reset()
 
 
@@ -241,21 +248,13 @@ def test_sizes_of_a_symbolic_graph_compile_past_eight_until_their_pools_fill(
     torch._dynamo.reset()
     fn = lambda x: ((x * 2).relu() + 1).sum(-1) * x.amax(-1)
     f = torch.compile(fn, backend="opfuse", dynamic=True)
-    before = dynamo.compiles()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no cache-limit warning
-        for n in range(2, 14):
-            x = torch.randn(n, 300)
-            torch.testing.assert_close(f(x), fn(x))
-    assert dynamo.compiles() - before == 12
+        assert _compiles_over(f, fn, range(2, 14), 300) == 12
     torch._dynamo.reset()
     monkeypatch.setattr(dynamo, "POOL_BUDGET", 1)  # full after the first size
     pooled = lambda x: ((x * 2).relu() @ x.t()).sum(-1)  # the relu's output is pooled
     f = torch.compile(pooled, backend="opfuse", dynamic=True)
-    before = dynamo.compiles()
     with pytest.warns(RuntimeWarning, match="memory pools reach"):
-        for n in range(2, 6):
-            x = torch.randn(n, 300)
-            torch.testing.assert_close(f(x), pooled(x))
-    assert dynamo.compiles() - before == 1
+        assert _compiles_over(f, pooled, range(2, 6), 300) == 1
     torch._dynamo.reset()

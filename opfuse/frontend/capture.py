@@ -172,8 +172,6 @@ def capture_exported(exported: Exported, args: Sequence[Any], kwargs: dict[str, 
     from torch.export.graph_signature import InputKind, OutputKind
 
     sig = ep.graph_signature
-    state_dict = ep.state_dict
-    consts = ep.constants
     mutated = set(sig.buffers_to_mutate.values())
     user_leaves = pytree.tree_leaves((tuple(args), kwargs))
     values: list[Any] = []  # per graph input, in order: what a call passes
@@ -197,7 +195,7 @@ def capture_exported(exported: Exported, args: Sequence[Any], kwargs: dict[str, 
             user_k += 1
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
             target = spec.target
-            tensor = state_dict[target] if target in state_dict else consts[target]
+            tensor = lifted(ep, target)
             values.append(tensor)
             if target in mutated:
                 # A buffer the model updates in place: the compiled module keeps its own copy.
@@ -207,9 +205,10 @@ def capture_exported(exported: Exported, args: Sequence[Any], kwargs: dict[str, 
                 placeholders[name] = ("constant", (strip(target), tensor.detach()))
                 frozen[strip(target)] = tensor
         elif spec.kind == InputKind.CONSTANT_TENSOR:
-            values.append(consts[spec.target])
-            placeholders[name] = ("constant", (strip(spec.target), consts[spec.target]))
-            frozen[strip(spec.target)] = consts[spec.target]
+            tensor = lifted(ep, spec.target)
+            values.append(tensor)
+            placeholders[name] = ("constant", (strip(spec.target), tensor))
+            frozen[strip(spec.target)] = tensor
         else:
             raise CaptureError(f"unsupported graph input kind {spec.kind}")
 
@@ -338,6 +337,12 @@ def _place(t: torch.Tensor) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
     """Where a tensor's elements are: a constant the graph holds is a detached alias of
     the model's tensor, at the same place."""
     return t.data_ptr(), tuple(t.shape), tuple(t.stride())
+
+
+def lifted(ep: Any, target: str) -> torch.Tensor:
+    """The tensor an export lifted to a graph input under `target` (a parameter, buffer or
+    constant)."""
+    return ep.state_dict[target] if target in ep.state_dict else ep.constants[target]
 
 
 def strip(target: str) -> str:

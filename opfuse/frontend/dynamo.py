@@ -237,11 +237,11 @@ class _Generic:
             + (f" ({shown})" if ops else "")
         )
         _tell(note)
-        install(split, _compile_regions(split.regions, self.options, split.static))
+        install(split, compile_regions(split.regions, self.options, split.static))
         return split.module.forward
 
 
-def _compile_regions(
+def compile_regions(
     regions: dict[str, tuple[torch.fx.GraphModule, list[Any]]],
     options: Options,
     static: dict[str, frozenset[int]],

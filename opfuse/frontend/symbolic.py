@@ -33,6 +33,7 @@ from .capture import (
     Exported,
     capture_exported,
     export_model,
+    lifted,
     strip,
 )
 from .dynamic import install, split_static, static_share
@@ -102,7 +103,7 @@ class Family:
         """Compile the export once for every shape when most of its work has static sizes
         (a decode step: all but attention over the cache), as the torch.compile backend
         does (frontend/dynamic.py); the note for the report, or None (per shape)."""
-        from .dynamo import GENERIC_SHARE, _compile_regions
+        from .dynamo import GENERIC_SHARE, compile_regions
 
         ep = self.exported.program
         sig = ep.graph_signature
@@ -116,15 +117,12 @@ class Family:
 
         user = _user_inputs(ep)
         state = [
-            None
-            if s.kind == InputKind.USER_INPUT
-            else ep.state_dict.get(s.target, ep.constants.get(s.target))
+            None if s.kind == InputKind.USER_INPUT else lifted(ep, s.target)
             for s in sig.input_specs
         ]
-        split = split_static(gm, [i for i in range(len(state)) if i not in user])
-        install(
-            split, _compile_regions(split.regions, replace(options, freeze=False), split.static)
-        )
+        split = split_static(gm, [i for i, t in enumerate(state) if t is not None])
+        unfrozen = replace(options, freeze=False)  # the weights are the regions' inputs
+        install(split, compile_regions(split.regions, unfrozen, split.static))
         run = split.module.forward
 
         def generic(leaves: Sequence[Any]) -> Any:
@@ -191,12 +189,11 @@ def _frozen(ep: Any) -> dict[str, torch.Tensor]:
 
     # only what the graph reads: a change elsewhere (num_batches_tracked) matters not
     read = {n.name for n in ep.graph_module.graph.find_nodes(op="placeholder") if n.users}
+    tensors = (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR)
     out: dict[str, torch.Tensor] = {}
     for s in ep.graph_signature.input_specs:
-        if s.kind != InputKind.USER_INPUT and s.arg.name in read and isinstance(s.target, str):
-            t = ep.state_dict.get(s.target, ep.constants.get(s.target))
-            if isinstance(t, torch.Tensor):
-                out[strip(s.target)] = t
+        if s.kind in tensors and s.arg.name in read:
+            out[strip(s.target)] = lifted(ep, s.target)
     return out
 
 

@@ -276,14 +276,12 @@ def _sized_key(value: Any) -> Any:
     different things to print."""
     if isinstance(value, Size):
         return (Size, int(value), value.text)
-    if isinstance(value, (float, int)):
-        return (type(value), repr(value))
     if isinstance(value, tuple):
         return tuple(_sized_key(v) for v in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         fields = dataclasses.fields(value)
         return (type(value), *(_sized_key(getattr(value, f.name)) for f in fields))
-    return value
+    return _value_key(value)
 
 
 _INTERNED: weakref.WeakValueDictionary[Any, Expr] = weakref.WeakValueDictionary()
