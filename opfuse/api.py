@@ -156,11 +156,13 @@ class CompiledModule(torch.nn.Module):
         self._reuse: dict[tuple[Any, ...], Captured] = {}
         # the buffers the graphs update (eager updates the model's), shared by all entries
         self._state: dict[str, torch.Tensor] = {}
-        # One export with symbolic sizes serves input shapes that differ in tensor sizes
+        # Exports with symbolic sizes serve input shapes that differ in tensor sizes
         # (frontend/symbolic.py): made with `dynamic_shapes`, or on the first shape that
-        # differs from the first compiled one, with the dims that changed.
+        # differs from a compiled one, with the dims that changed; a later one (other dims
+        # changed) does not replace the earlier, whose ranges may admit what it refuses
+        # (batch 1 after a symbolic batch, whose range starts at 2). Latest last.
         self._dynamic_shapes = dynamic_shapes
-        self._family: Family | None = None
+        self._families: list[Family] = []
         self._exports = 0  # exports with symbolic sizes tried
         # signatures the family's generic run serves (Family.make_generic)
         self._generic_runs: dict[tuple[Any, ...], Callable[[Sequence[Any]], Any]] = {}
@@ -183,7 +185,7 @@ class CompiledModule(torch.nn.Module):
         new._options, new._recompile = self._options, self._recompile
         new._cache_limit = self._cache_limit
         # the export holds this module's weights: the copy exports its own when it needs one
-        new._dynamic_shapes, new._family, new._exports = self._dynamic_shapes, None, 0
+        new._dynamic_shapes, new._families, new._exports = self._dynamic_shapes, [], 0
         new._generic_runs = {}
         new._kw_order = list(self._kw_order)
         new._lock, new._dynamo = threading.Lock(), None
@@ -281,11 +283,13 @@ class CompiledModule(torch.nn.Module):
         kwargs: dict[str, Any],
         leaves: list[Any],
     ) -> Family | None:
-        """The export with symbolic sizes to capture these inputs from, exported now if
-        there is none yet, or if they change dims it keeps static (twice at most)."""
-        family = self._family
-        if family is not None and family.admits(leaves):
-            return family
+        """The export with symbolic sizes to capture these inputs from: the latest that
+        admits them, else one exported now, if there is none yet or if they change dims the
+        latest keeps static (twice at most)."""
+        for known in reversed(self._families):
+            if known.admits(leaves):
+                return known
+        family = self._families[-1] if self._families else None
         ordered = self._ordered(kwargs)
         dims: list[DimSpec] | None
         if self._dynamic_shapes is not None and family is None:
@@ -314,7 +318,7 @@ class CompiledModule(torch.nn.Module):
             else:
                 log.debug("no export with symbolic sizes: %s", e)
             return None
-        self._family = family
+        self._families.append(family)
         try:
             note = family.make_generic(self._options)
         except Exception as e:  # compiling per shape stays correct
@@ -328,7 +332,7 @@ class CompiledModule(torch.nn.Module):
         return family if family.admits(leaves) else None
 
     def _frozen(self) -> dict[str, torch.Tensor]:
-        out = dict(self._family.frozen) if self._family is not None else {}
+        out = {k: v for f in self._families for k, v in f.frozen.items()}
         out.update((k, v) for e in self._entries.values() for k, v in e.captured.frozen.items())
         return out
 
@@ -345,7 +349,7 @@ class CompiledModule(torch.nn.Module):
     def _invalidate(self, recapture: bool) -> None:
         self._reuse = {} if recapture else {s: e.captured for s, e in self._entries.items()}
         if recapture:  # the export holds the tensors that were replaced
-            self._family, self._exports, self._generic_runs = None, 0, {}
+            self._families, self._exports, self._generic_runs = [], 0, {}
         # compiled before: they compile again even with recompile=False
         self._stale |= set(self._entries)
         self._entries = {}
@@ -442,8 +446,7 @@ class CompiledModule(torch.nn.Module):
     def _declared(self, leaves: list[Any]) -> bool:
         """Do these inputs have the sizes `dynamic_shapes` declared (the export admits
         them)? They compile even with recompile=False."""
-        family = self._family
-        return self._dynamic_shapes is not None and family is not None and family.admits(leaves)
+        return self._dynamic_shapes is not None and any(f.admits(leaves) for f in self._families)
 
     def _serve_generic(
         self, sig: tuple[Any, ...], generic: Callable[[Sequence[Any]], Any], leaves: list[Any]
@@ -471,10 +474,10 @@ class CompiledModule(torch.nn.Module):
         if self._cache_limit is not None:
             limit = self._cache_limit
         else:
-            limit = dynamo.SIZES_LIMIT if self._family is not None else dynamo.CACHE_LIMIT
+            limit = dynamo.SIZES_LIMIT if self._families else dynamo.CACHE_LIMIT
         if n >= limit:
             return f"{n} input signatures compiled (cache_limit={limit})"
-        if self._cache_limit is None and self._family is not None:
+        if self._cache_limit is None and self._families:
             pooled = sum(
                 sum(e.compiled.run.plan.pool_sizes)
                 for e in self._entries.values()

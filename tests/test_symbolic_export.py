@@ -163,6 +163,29 @@ def test_a_batch_after_lengths_exports_a_second_time() -> None:
     assert fast._exports == 2  # type: ignore[attr-defined]
 
 
+def test_an_earlier_export_serves_what_the_later_one_refuses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Serving at batch 1 after one batch of 2: the second export's symbolic batch starts
+    at 2, so new lengths at batch 1 are captured from the first export (batch 1, length
+    symbolic), with no third export, no static one and no C build."""
+    torch.manual_seed(0)
+    model = _Encoder().eval()
+    exports, builds = _counting_exports(monkeypatch), count_compiler_runs(monkeypatch)
+    with torch.no_grad():
+        fast = opfuse.compile(model, (_ids(1, 16),))
+        for b, s in ((1, 24), (2, 24), (2, 40)):
+            x = _ids(b, s)
+            torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-4)
+        before = (len(exports), len(builds))
+        for s in (56, 40, 33):  # (64 would build: another GEMM tiling regime)
+            x = _ids(1, s)
+            torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-4)
+    assert (len(exports), len(builds)) == before == (3, before[1])
+    notes = [e.report.dynamic for e in fast._entries.values()]  # type: ignore[attr-defined]
+    assert all(n and "input 0 dim 0" not in n[0] for n in notes[-3:])  # the first export's
+
+
 def test_parameters_changed_after_the_export_are_followed() -> None:
     """The export holds the model's weights: an in-place update compiles every shape
     again from the live values, a replaced parameter exports again."""
