@@ -3,8 +3,10 @@ in registers from a weight packed at compile time, the epilogue applied in cache
 
 from __future__ import annotations
 
+from fractions import Fraction
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -101,6 +103,55 @@ def test_no_further_from_float64_than_eager(m: int, k: int, n: int) -> None:
         ours, eager = fast(x), lin(x)
         ref64 = lin.double()(x.double())
     assert_no_worse(ours, eager, ref64, f"{m}x{k}x{n}")
+
+
+def _round32(exact: Fraction) -> np.float32:
+    """The float32 nearest `exact`, ties to even (through float64 only where that cannot
+    round twice)."""
+    f = float(exact)  # correctly rounded to 53 bits
+    x = np.float32(f)
+    lo, hi = (
+        (np.nextafter(x, np.float32(-np.inf)), x)
+        if float(x) > f
+        else (x, np.nextafter(x, np.float32(np.inf)))
+    )
+    if float(x) != f and f - float(lo) == float(hi) - f:  # a tie in float64: look again
+        return lo if exact < Fraction(f) else hi
+    return x
+
+
+def _documented_sum(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a @ b summed as docs/numerics.md says opfuse's GEMM sums: one fused multiply-add
+    chain per 32 consecutive k, those chains added up 8 at a time, then the groups in
+    order; every step rounded to float32."""
+    m, k = a.shape
+    out = np.zeros((m, b.shape[1]), np.float32)
+    for i in range(m):
+        for j in range(b.shape[1]):
+            total, mid = np.float32(0), np.float32(0)
+            for k0 in range(0, k, 32):
+                acc = np.float32(0)
+                for kk in range(k0, min(k0 + 32, k)):  # fma: rounded once
+                    acc = _round32(
+                        Fraction(float(a[i, kk])) * Fraction(float(b[kk, j])) + Fraction(float(acc))
+                    )
+                mid = np.float32(mid + acc)
+                if (k0 // 32) % 8 == 7 or k0 + 32 >= k:
+                    total, mid = np.float32(total + mid), np.float32(0)
+            out[i, j] = total
+    return out
+
+
+@pytest.mark.parametrize("m,k,n", [(7, 300, 33), (1, 70, 5), (4, 40, 40)])
+def test_sums_follow_the_documented_order_bit_for_bit(m: int, k: int, n: int) -> None:
+    """Full strips of 6 rows, the last rows (a count of their own), a panel's spare
+    columns: each result equals the documented order exactly. (It did not when gcc split
+    the FMA into a multiply and an add in a function the strips were inlined into.)"""
+    torch.manual_seed(k)
+    w, x = torch.randn(k, n), torch.randn(m, k)
+    fast = _compiled(Fn(lambda t: t @ w), x)
+    want = _documented_sum(x.numpy(), w.numpy())
+    assert np.array_equal(fast(x).numpy(), want)
 
 
 def test_nan_and_inf_in_the_input_reach_their_rows_only() -> None:

@@ -68,32 +68,38 @@ static inline void opfuse_gemm_block(opfuse_v16 acc[OPFUSE_MR][2], const float *
   }
 }
 
-__attribute__((optimize("fp-contract=fast")))
+/* One strip: c[rows x w] = a[rows x K] @ the panel. Always inlined, and called with rows
+   the constant OPFUSE_MR for full strips: gcc then unrolls every row loop, keeps the sums
+   in registers and zeroes them without calls (a variable row count left them in memory,
+   cleared by memset calls on every block of 32 k: a third of the strip's time at K=64). */
+__attribute__((optimize("fp-contract=fast"), always_inline))
 static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
                                      const float *restrict bp, float *restrict c,
                                      int64_t ldc, int rows, int w, int64_t K) {
   opfuse_v16 s[OPFUSE_MR][2], mid[OPFUSE_MR][2], acc[OPFUSE_MR][2];
-  memset(s, 0, sizeof s);
-  memset(mid, 0, sizeof mid);
+  const opfuse_v16 zero = {0};
+  #pragma GCC unroll 6
+  for (int i = 0; i < OPFUSE_MR; i++) s[i][0] = s[i][1] = mid[i][0] = mid[i][1] = zero;
   for (int64_t k0 = 0; k0 < K; k0 += 32) {
     const int64_t k1 = k0 + 32 < K ? k0 + 32 : K;
-    memset(acc, 0, sizeof acc);
-    if (rows == OPFUSE_MR)
-      opfuse_gemm_block(acc, a, lda, bp, k0, k1, OPFUSE_MR);
-    else
-      opfuse_gemm_block(acc, a, lda, bp, k0, k1, rows);
+    #pragma GCC unroll 6
+    for (int i = 0; i < OPFUSE_MR; i++) acc[i][0] = acc[i][1] = zero;
+    opfuse_gemm_block(acc, a, lda, bp, k0, k1, rows);
+    #pragma GCC unroll 6
     for (int i = 0; i < OPFUSE_MR; i++) {
       mid[i][0] += acc[i][0];
       mid[i][1] += acc[i][1];
     }
     if ((k0 / 32) % 8 == 7 || k1 == K) {
+      #pragma GCC unroll 6
       for (int i = 0; i < OPFUSE_MR; i++) {
         s[i][0] += mid[i][0];
         s[i][1] += mid[i][1];
+        mid[i][0] = mid[i][1] = zero;
       }
-      memset(mid, 0, sizeof mid);
     }
   }
+  #pragma GCC unroll 6
   for (int i = 0; i < rows; i++) {
     if (w == 32) {
       memcpy(c + i * ldc, &s[i][0], 64);
@@ -126,14 +132,29 @@ static void opfuse_gemm_pack(const float *restrict b, int64_t sk, int64_t sn,
 }
 
 /* c[mm x nn] (leading dimension ldc) = a[mm x K] (lda) @ the tile's packed panels; panel
-   by panel, so that one stays in L2 while the strips of A pass over it. */
+   by panel, so that one stays in L2 while the strips of A pass over it. The strips are
+   inlined here, so the FMA must be allowed here too: else gcc splits it into a multiply
+   and an add, which rounds twice and changes the sums. */
+__attribute__((optimize("fp-contract=fast")))
 static void opfuse_gemm_tile(const float *restrict a, int64_t lda, const float *restrict bp,
                              float *restrict c, int64_t ldc, int mm, int nn, int64_t K) {
   for (int p = 0; p * 32 < nn; p++) {
     const int w = nn - p * 32 < 32 ? nn - p * 32 : 32;
-    for (int i0 = 0; i0 < mm; i0 += OPFUSE_MR)
-      opfuse_gemm_strip(a + i0 * lda, lda, bp + (int64_t)p * K * 32, c + i0 * ldc + p * 32,
-                        ldc, mm - i0 < OPFUSE_MR ? mm - i0 : OPFUSE_MR, w, K);
+    const float *restrict panel = bp + (int64_t)p * K * 32;
+    int i0 = 0;
+    for (; i0 + OPFUSE_MR <= mm; i0 += OPFUSE_MR)
+      opfuse_gemm_strip(a + i0 * lda, lda, panel, c + i0 * ldc + p * 32, ldc, OPFUSE_MR, w, K);
+    /* the last rows, each count a constant of its own (registers, as for full strips) */
+    const float *restrict at = a + i0 * lda;
+    float *restrict ct = c + i0 * ldc + p * 32;
+    switch (mm - i0) {
+      case 1: opfuse_gemm_strip(at, lda, panel, ct, ldc, 1, w, K); break;
+      case 2: opfuse_gemm_strip(at, lda, panel, ct, ldc, 2, w, K); break;
+      case 3: opfuse_gemm_strip(at, lda, panel, ct, ldc, 3, w, K); break;
+      case 4: opfuse_gemm_strip(at, lda, panel, ct, ldc, 4, w, K); break;
+      case 5: opfuse_gemm_strip(at, lda, panel, ct, ldc, 5, w, K); break;
+      default: break;
+    }
   }
 }
 """
