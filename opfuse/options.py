@@ -42,6 +42,8 @@ class Options:
     verify: bool = _env("OPFUSE_VERIFY", flag)
     fold_batchnorm: bool = True
     fuse_attention: bool = True  # matmul-softmax-matmul as one fused attention call
+    # 1x1 convolutions over channels-last input as matmuls (rewrite/pointwise_conv.py)
+    conv_matmuls: bool = True
     freeze: bool = True  # parameters are constants (eval-mode opfuse.compile)
     # "channels-last": frozen conv graphs run NHWC between convolutions; "keep": as captured.
     layout: str = _env("OPFUSE_LAYOUT", _text("channels-last"))
@@ -68,6 +70,7 @@ class Options:
             ("implementation", (None, *IMPLEMENTATIONS)),
             ("fold_batchnorm", (True, False)),
             ("fuse_attention", (True, False)),
+            ("conv_matmuls", (True, False)),
             ("freeze", (True, False)),
             ("verify", (True, False)),
         ):

@@ -2,7 +2,8 @@
 
 graph   = capture(model)                frontend/        torch.export / AOTAutograd
 graph   = pass(graph, ctx), for each    rewrite/passes   fold BatchNorm, constants; attention;
-          of REWRITES                                    layout; pools as window reductions
+          of REWRITES                                    layout; 1x1 convs as matmuls;
+                                                         pools as window reductions
 kinds   = classify(graph)               fusion/classify  ordered op kinds
 groups  = partition(graph, kinds)       fusion/          the decision, with why-nots
 kernels = lower(groups)                 lower/           loop nest + scalar expressions
@@ -181,6 +182,7 @@ def _from_context(report: FusionReport, ctx: Context) -> None:
     report.random = ctx.notes.get("random_in_kernels", [])
     report.constants = ctx.notes.get("fold_constants", [])
     report.pools = ctx.notes.get("pools_in_kernels", [])
+    report.conv_matmuls = ctx.notes.get("pointwise_convs_as_matmuls", [])
     report.passes = {k: round(v, 6) for k, v in ctx.seconds.items()}
 
 

@@ -267,7 +267,9 @@ def test_resnet_bottleneck_block() -> None:
             mod.running_var.uniform_(0.5, 1.5)
     r = run(m, (torch.randn(2, 32, 8, 8),), None)
     assert len(r.folds) == 3
-    assert [g.pattern for g in r.groups] == ["conv_epilogue"] * 3, str(r)
+    # the last 1x1 convolution reads NHWC: a matmul, the residual add and ReLU its epilogue
+    assert [g.pattern for g in r.groups] == ["conv_epilogue"] * 2 + ["gemm_epilogue"], str(r)
+    assert r.groups[2].ops[:3] == ["aten.addmm.default", "aten.add.Tensor", "aten.relu.default"]
 
 
 @pytest.mark.parametrize("impl", [None, "torch", "mkl", "blocked"])
@@ -447,7 +449,7 @@ class _TwoBranches(nn.Module):
         super().__init__()
         self.residual = residual
         self.a = nn.Conv2d(8, 8, 3, padding=1)
-        self.b = nn.Conv2d(8, 16, 1)
+        self.b = nn.Conv2d(8, 16, 3, padding=1)  # (a 1x1 over NHWC would be a matmul)
         self.down = nn.Conv2d(8, 16, 1)
         self.head = nn.Conv2d(16, 4, 1)  # the next block: the tail's output stays inside
 

@@ -36,12 +36,14 @@ def test_resnet_block_report() -> None:
     r = opfuse.explain(m, torch.randn(1, 32, 8, 8))
     assert [f.conv for f in r.folds] == ["conv1", "conv2", "conv3"]
     assert [f.batchnorm for f in r.folds] == ["bn1", "bn2", "bn3"]
-    assert [g.pattern for g in r.groups] == ["conv_epilogue"] * 3
+    # conv3, a 1x1 convolution over the NHWC activations, runs as a matmul
+    assert [g.pattern for g in r.groups] == ["conv_epilogue"] * 2 + ["gemm_epilogue"]
     assert [g.modules[0] for g in r.groups] == ["conv1", "conv2", "conv3"]
+    assert len(r.conv_matmuls) == 1 and "conv3" in r.conv_matmuls[0]
     tail = r.groups[2]
     # The block runs channels-last; the copy back to eager's NCHW rides in the last group.
     assert r.layout.startswith("channels-last")
-    assert [o.split(".")[1] for o in tail.ops] == ["convolution", "add", "relu", "clone"]
+    assert [o.split(".")[1] for o in tail.ops] == ["addmm", "add", "relu", "clone"]
     assert "models.py:" in tail.sources[0]  # the line of the model's own code
     assert r.kernels_before == 10
     json.dumps(r.to_dict())

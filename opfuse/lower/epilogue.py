@@ -416,15 +416,22 @@ def _unary(n: Node, src: Node) -> tuple[str, tuple[Any, ...], str | None] | None
     return attr, (), None
 
 
-def match_onednn(graph: Graph, anchor: Node, members: Sequence[Node]) -> OneDnnPlan | None:
+def match_onednn(
+    graph: Graph, anchor: Node, members: Sequence[Node], conv: Node | None = None
+) -> OneDnnPlan | None:
     """The epilogue as oneDNN post-ops: one activation; or one binary op with another
-    tensor of the output's shape, optionally followed by relu (convolution only)."""
+    tensor of the output's shape, optionally followed by relu (convolution only). `conv`:
+    the convolution a matmul computes (rewrite/pointwise_conv.convolution_of), which the
+    plan runs instead, its post-ops reading the matmul's result through views."""
     epi = [m for m in members if m is not anchor]
     if anchor.tensor.dtype not in (torch.float32, torch.bfloat16):
         return None
+    is_conv = anchor.op == CONV or conv is not None
     if anchor.op == CONV:
         if bind(anchor)["transposed"]:
             return None
+    elif conv is not None:
+        pass
     elif (
         anchor.op not in ("aten.addmm.default", "aten.mm.default")
         or const_root(bind(anchor)["mat2"]) is None
@@ -439,7 +446,7 @@ def match_onednn(graph: Graph, anchor: Node, members: Sequence[Node]) -> OneDnnP
     ):
         u = _unary(last, anchor)
         if u is not None:
-            return OneDnnPlan(anchor, last, u[0], u[1], u[2])
+            return OneDnnPlan(conv or anchor, last, u[0], u[1], u[2])
     first = epi[0]
     attr = BINARY.get(first.op)
     if attr is None or len(epi) > 2:
@@ -452,12 +459,12 @@ def match_onednn(graph: Graph, anchor: Node, members: Sequence[Node]) -> OneDnnP
     if other.tensor.numel != anchor.tensor.numel or bind(first).get("alpha", 1) != 1:
         return None
     if len(epi) == 2:
-        if anchor.op != CONV or epi[1].op != "aten.relu.default" or epi[1].args[0] is not first:
+        if not is_conv or epi[1].op != "aten.relu.default" or epi[1].args[0] is not first:
             return None
         if attr not in ADDITIVE:  # conv * other (or / other) can be NaN with finite inputs
             return None
-        return OneDnnPlan(anchor, epi[1], "relu", (), None, attr, other)
-    return OneDnnPlan(anchor, first, None, (), None, attr, other)
+        return OneDnnPlan(conv or anchor, epi[1], "relu", (), None, attr, other)
+    return OneDnnPlan(conv or anchor, first, None, (), None, attr, other)
 
 
 def epilogue_outputs(graph: Graph, members: Sequence[Node]) -> list[Node]:

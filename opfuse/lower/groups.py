@@ -19,6 +19,7 @@ import torch
 from ..fusion.groups import Group, Partition, Pattern
 from ..ir.graph import Graph, Node, bind
 from ..rewrite.layout import is_channels_last as channels_last
+from ..rewrite.pointwise_conv import convolution_of
 from .epilogue import (
     GEMMS,
     GemmKernel,
@@ -134,9 +135,11 @@ def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candida
                 )
         if g.pattern is Pattern.GEMM_EPILOGUE:
             _blocked(cands, notes, graph, g.anchor, g.nodes, threads)
-        plan = match_onednn(graph, g.anchor, g.nodes)
+        conv = convolution_of(graph, g.anchor)  # a 1x1 convolution's matmul: or oneDNN's
+        plan = match_onednn(graph, g.anchor, g.nodes, conv[0] if conv is not None else None)
         if (
             plan is not None
+            and conv is None
             and g.pattern is Pattern.GEMM_EPILOGUE
             and not _onednn_gemm_allowed(g.anchor)
         ):
@@ -166,6 +169,9 @@ def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candida
                 cands["onednn"] = OneDnnPlan(a, a)
             elif _k_blocks_pay(a):
                 cands["onednn-kblocks"] = OneDnnPlan(a, a)
+        conv = convolution_of(graph, a)
+        if conv is not None:  # the 1x1 convolution itself, its result handed on as rows
+            cands["onednn"] = OneDnnPlan(conv[0], a)
         _blocked(cands, notes, graph, a, [a], threads)
         return cands, notes
     if (

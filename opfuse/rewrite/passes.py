@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..context import Context
 from ..ir.graph import Graph
-from . import attention, batchnorm, cleanup, layout, pooling, random
+from . import attention, batchnorm, cleanup, layout, pointwise_conv, pooling, random
 
 
 def fold_batchnorm(graph: Graph, ctx: Context) -> Graph:
@@ -48,6 +48,14 @@ def channels_last(graph: Graph, ctx: Context) -> Graph:
     return relaid.graph
 
 
+def pointwise_convs_as_matmuls(graph: Graph, ctx: Context) -> Graph:
+    # after the layout pass: only a channels-last input is a matrix of rows
+    if not ctx.options.conv_matmuls:
+        return graph
+    result = pointwise_conv.pointwise_convs_as_matmuls(graph, ctx.devices)
+    return _noted(ctx, "pointwise_convs_as_matmuls", result)
+
+
 def pools_in_kernels(graph: Graph, ctx: Context) -> Graph:
     # after the layout pass: a pool over channels-last input reduces with lanes along C
     return _noted(ctx, "pools_in_kernels", pooling.pools_in_kernels(graph, ctx.devices))
@@ -79,6 +87,7 @@ REWRITES = (
     fold_constants,  # again: lowering BatchNorm leaves ops on its frozen statistics
     fuse_attention,
     channels_last,
+    pointwise_convs_as_matmuls,
     pools_in_kernels,
     random_in_kernels,
     copies_in_kernels,

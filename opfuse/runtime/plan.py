@@ -93,6 +93,23 @@ def _pure_view(n: Node) -> bool:
     return n.op != GETITEM and schema is not None and not schema.is_mutable and _aliases_input(n)
 
 
+def _viewed(n: Node) -> Node:
+    """The tensor a GEMM's A operand is a view of, where both start at the same element:
+    the kernel reads that tensor's storage with the view's strides (the operand's leading
+    dimension), so no torch view runs per call. A 1x1 convolution as a matmul reads its
+    NHWC input through a permute and a view: 2-3 us of torch a call each."""
+    while _pure_view(n) and n.args and isinstance(n.args[0], Node):
+        base = n.args[0]
+        if not (
+            isinstance(base.meta, TensorMeta)
+            and (base.tensor.offset, base.tensor.dtype, base.tensor.device)
+            == (n.tensor.offset, n.tensor.dtype, n.tensor.device)
+        ):
+            break
+        n = base
+    return n
+
+
 # Torch ops whose result may go into the pool through their out= overload: the GEMMs that
 # run unfused or as library groups (an MLP's 8x512x3072 hidden layer is 48 MiB).
 POOLED_OUT = frozenset(
@@ -231,7 +248,7 @@ def build_plan(graph: Graph, part: Partition, built: Mapping[int, Built]) -> Pla
             p.call_step(b)
         elif isinstance(b, BuiltGemm):
             k = b.kernel
-            a_node = p.by_name[k.spec.a.node.name]
+            a_node = _viewed(p.by_name[k.spec.a.node.name])
             p.need(a_node)
             args: list[KernelArg] = [In(p.slot[a_node], a_node.tensor, a_node in p.torch_made)]
             reads = [a_node]

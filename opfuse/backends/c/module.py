@@ -16,6 +16,7 @@ from ...ir.size import symbolic_text
 from ...lower.epilogue import (
     ADDITIVE,
     ERASES_NAN,
+    GEMMS,
     GemmKernel,
     OneDnnPlan,
     PackedThenKernel,
@@ -291,9 +292,27 @@ def _weight(graph: Graph, k: GemmKernel) -> torch.Tensor:
 # -- oneDNN --------------------------------------------------------------------------------------
 def onednn_call(graph: Graph, plan: OneDnnPlan, channels_last: bool = False) -> BuiltCall | None:
     a = plan.anchor
+    if a.op == "aten.convolution.default" and plan.output.op in GEMMS:
+        return _rows(_conv_call(graph, dataclasses.replace(plan, output=a), True), plan.output)
     if a.op == "aten.convolution.default":
         return _conv_call(graph, plan, channels_last)
     return _linear_call(graph, plan)
+
+
+def _rows(call: BuiltCall | None, matmul: Node) -> BuiltCall | None:
+    """A 1x1 convolution run for the matmul that stands for it (rewrite/pointwise_conv.py),
+    its NHWC result returned as that matmul's rows: a view, no copy."""
+    if call is None:
+        return None
+    rows = list(matmul.tensor.shape)
+
+    def as_rows(conv: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        return lambda *xs: conv(*xs).permute(0, 2, 3, 1).view(rows)
+
+    guard = call.guard
+    if guard is not None and guard.exact is not None:
+        guard = dataclasses.replace(guard, exact=as_rows(guard.exact))
+    return dataclasses.replace(call, call=as_rows(call.call), output=matmul, guard=guard)
 
 
 def mkl_linear_call(graph: Graph, plan: OneDnnPlan) -> BuiltCall | None:

@@ -1,0 +1,202 @@
+"""1x1 convolutions over channels-last input as matmuls (rewrite/pointwise_conv.py): the
+matmul takes the convolution's epilogue; every implementation, oneDNN's convolution
+itself among them, matches eager; other convolutions are left alone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import opfuse
+from tests.conftest import assert_matches_eager
+
+ACTS: dict[str, Any] = {
+    "none": lambda t: t,
+    "relu": torch.relu,
+    "relu6": F.relu6,
+    "silu": F.silu,
+}
+
+
+class _Block(nn.Module):
+    """An inverted-residual tail: 3x3 conv, then the 1x1 conv under test (with BatchNorm to
+    fold, an activation, and optionally the block input added back and a ReLU)."""
+
+    def __init__(self, c: int, oc: int, act: str, residual: bool, bias: bool) -> None:
+        super().__init__()
+        self.spread = nn.Conv2d(c, c, 3, padding=1)
+        self.pw = nn.Conv2d(c, oc, 1, bias=bias)
+        self.bn = nn.BatchNorm2d(oc)
+        self.bn.running_mean.uniform_(-0.5, 0.5)
+        self.bn.running_var.uniform_(0.5, 2.0)
+        self.act, self.residual = ACTS[act], residual and c == oc
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.act(self.bn(self.pw(self.spread(x))))
+        return torch.relu(y + x) if self.residual else y
+
+
+def _groups(fast: Any) -> list[Any]:
+    return [g for g in fast.report.groups if g.ops[0] in ("aten.addmm.default", "aten.mm.default")]
+
+
+def test_a_1x1_convolution_runs_as_a_matmul_with_its_epilogue() -> None:
+    torch.manual_seed(0)
+    m = _Block(16, 32, "relu6", residual=False, bias=True).eval()
+    x = torch.randn(2, 16, 10, 12)
+    fast = opfuse.compile(m, (x,))
+    assert_matches_eager(m, fast(x), (x,))
+    (g,) = _groups(fast)
+    # the ReLU6 fused in, and the copy back to the NCHW layout eager returns
+    assert g.ops == ["aten.addmm.default", "aten.hardtanh.default", "aten.clone.default"]
+    assert len(fast.report.conv_matmuls) == 1 and "1x1 convolution" in fast.report.conv_matmuls[0]
+    assert "1x1 convolutions as matmuls" in str(fast.report)
+    convs = [g for g in fast.report.groups if g.ops[0] == "aten.convolution.default"]
+    assert len(convs) == 1  # the 3x3 one stays a convolution
+    assert fast(x).stride() == m(x).stride()  # the caller still gets eager's layout
+
+
+@pytest.mark.parametrize("impl", ["opfuse-gemm", "blocked", "onednn", "unfused"])
+@pytest.mark.parametrize(
+    "act,residual", [("none", False), ("relu", False), ("relu6", True), ("silu", True)]
+)
+def test_every_implementation_matches_eager(impl: str, act: str, residual: bool) -> None:
+    """oneDNN runs the convolution the matmul stands for (post-ops read through the view
+    and permute back to NCHW order); the GEMMs run the matmul."""
+    torch.manual_seed(1)
+    m = _Block(24, 24, act, residual, bias=False).eval()
+    x = torch.randn(2, 24, 7, 9)
+    fast = opfuse.compile(m, (x,), options=opfuse.Options(implementation=impl))
+    assert_matches_eager(m, fast(x), (x,))
+    x2 = torch.randn(2, 24, 7, 9)  # other values, same plan
+    assert_matches_eager(m, fast(x2), (x2,))
+    (g,) = _groups(fast)
+    # (oneDNN has no post-op for the copy back to NCHW that ends a bare convolution)
+    refused = impl == "onednn" and "oneDNN: the epilogue is not a post-op" in g.implementation
+    assert refused or g.implementation.split(" ")[0] == impl, g.implementation
+
+
+def test_the_tuner_weighs_the_convolution_against_the_gemms() -> None:
+    torch.manual_seed(2)
+    block = _Block(32, 64, "relu", residual=False, bias=True)
+    m = nn.Sequential(block, nn.Conv2d(64, 8, 3, padding=1)).eval()  # (no copy to NCHW)
+    x = torch.randn(1, 32, 14, 14)
+    fast = opfuse.compile(m, (x,))
+    (g,) = _groups(fast)
+    for name in ("onednn", "opfuse-gemm"):
+        assert f"{name} " in g.implementation, g.implementation
+    assert_matches_eager(m, fast(x), (x,))
+
+
+@pytest.mark.parametrize("impl", ["onednn", "opfuse-gemm", "torch"])
+def test_a_bare_1x1_convolution_between_convolutions(impl: str) -> None:
+    """No epilogue: the matmul alone, or oneDNN's convolution handing its NHWC result on
+    as the matmul's rows."""
+    torch.manual_seed(6)
+    m = nn.Sequential(
+        nn.Conv2d(8, 16, 3, padding=1), nn.Conv2d(16, 24, 1), nn.Conv2d(24, 4, 3, padding=1)
+    ).eval()
+    x = torch.randn(2, 8, 11, 7)
+    fast = opfuse.compile(m, (x,), options=opfuse.Options(implementation=impl))
+    (g,) = _groups(fast)
+    assert g.ops == ["aten.addmm.default"] and g.implementation.split(" ")[0] == impl
+    assert_matches_eager(m, fast(x), (x,))
+
+
+def test_onednn_adds_into_a_dead_residual() -> None:
+    """oneDNN's candidate is the convolution with its sum post-op, which accumulates into
+    the residual itself when that is a dead result of the graph's own."""
+    from opfuse.runtime.execute import TorchStep
+
+    class Tail(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem, self.spread = nn.Conv2d(3, 8, 3, padding=1), nn.Conv2d(8, 8, 3, padding=1)
+            self.pw, self.down = nn.Conv2d(8, 16, 1), nn.Conv2d(8, 16, 3, padding=1)
+            self.head = nn.Conv2d(16, 4, 3, padding=1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            x0 = torch.relu(self.stem(x))
+            y = self.pw(self.spread(x0))
+            return self.head(torch.relu(y + self.down(x0)))
+
+    torch.manual_seed(7)
+    m, x = Tail().eval(), torch.randn(2, 3, 9, 9)
+    fast = opfuse.compile(m, (x,), options=opfuse.Options(implementation="onednn"))
+    (g,) = _groups(fast)
+    assert g.ops == ["aten.addmm.default", "aten.add.Tensor", "aten.relu.default"]
+    steps = fast._first.compiled.run.plan.steps  # type: ignore[attr-defined]
+    donating = [s.name for s in steps if isinstance(s, TorchStep) and s.donate is not None]
+    assert donating == ["relu_1"]  # the tail's oneDNN call (its output: the ReLU's)
+    for _ in range(2):
+        assert_matches_eager(m, fast(x), (x,))
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [
+        nn.Conv2d(8, 16, 1, stride=2),
+        nn.Conv2d(8, 16, 1, padding=1),
+        nn.Conv2d(8, 16, 1, groups=2),
+        nn.Conv2d(8, 16, 3, padding=1),
+        nn.Conv2d(8, 16, 1, dilation=2),
+    ],
+    ids=["stride", "padding", "groups", "3x3", "dilation"],
+)
+def test_other_convolutions_stay_convolutions(conv: nn.Module) -> None:
+    torch.manual_seed(3)
+    m = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), conv, nn.ReLU()).eval()
+    x = torch.randn(2, 8, 9, 9)
+    fast = opfuse.compile(m, (x,))
+    assert not fast.report.conv_matmuls and not _groups(fast)
+    assert_matches_eager(m, fast(x), (x,))
+
+
+def test_nchw_graphs_and_the_switch_keep_the_convolution() -> None:
+    torch.manual_seed(4)
+    m = _Block(8, 8, "relu", residual=True, bias=True).eval()
+    x = torch.randn(2, 8, 6, 6)
+    for opts in (opfuse.Options(layout="keep"), opfuse.Options(conv_matmuls=False)):
+        fast = opfuse.compile(m, (x,), options=opts)
+        assert not fast.report.conv_matmuls and not _groups(fast)
+        assert_matches_eager(m, fast(x), (x,))
+
+
+def test_new_batch_sizes_share_the_rewrite() -> None:
+    """opfuse.compile over batch sizes (one export with a symbolic batch): the rows of the
+    matmul scale with it."""
+    torch.manual_seed(5)
+    m = _Block(16, 16, "relu6", residual=True, bias=True).eval()
+    fast = opfuse.compile(m, (torch.randn(2, 16, 8, 8),))
+    for b in (3, 5, 4):
+        x = torch.randn(b, 16, 8, 8)
+        assert_matches_eager(m, fast(x), (x,))
+    assert all(e.report.conv_matmuls for e in fast._entries.values())  # type: ignore[attr-defined]
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    n=st.integers(1, 3),
+    c=st.integers(1, 40),
+    oc=st.integers(1, 40),
+    h=st.integers(1, 9),
+    w=st.integers(1, 9),
+    act=st.sampled_from(sorted(ACTS)),
+    residual=st.booleans(),
+    bias=st.booleans(),
+    impl=st.sampled_from([None, "opfuse-gemm", "onednn", "blocked"]),
+)
+def test_any_shape_matches_eager(
+    n: int, c: int, oc: int, h: int, w: int, act: str, residual: bool, bias: bool, impl: Any
+) -> None:
+    torch.manual_seed(n * 1000 + c * 40 + oc)
+    m = _Block(c, oc, act, residual, bias).eval()
+    x = torch.randn(n, c, h, w)
+    fast = opfuse.compile(m, (x,), options=opfuse.Options(implementation=impl))
+    assert_matches_eager(m, fast(x), (x,))
