@@ -42,8 +42,9 @@ class Options:
     verify: bool = _env("OPFUSE_VERIFY", flag)
     fold_batchnorm: bool = True
     fuse_attention: bool = True  # matmul-softmax-matmul as one fused attention call
-    # 1x1 convolutions over channels-last input as matmuls (rewrite/pointwise_conv.py)
-    conv_matmuls: bool = True
+    # 1x1 and depthwise convolutions over channels-last input as rows: a matmul, opfuse's
+    # depthwise kernel (rewrite/conv_rows.py), each timed against oneDNN's convolution
+    conv_rows: bool = True
     freeze: bool = True  # parameters are constants (eval-mode opfuse.compile)
     # "channels-last": frozen conv graphs run NHWC between convolutions; "keep": as captured.
     layout: str = _env("OPFUSE_LAYOUT", _text("channels-last"))
@@ -70,7 +71,7 @@ class Options:
             ("implementation", (None, *IMPLEMENTATIONS)),
             ("fold_batchnorm", (True, False)),
             ("fuse_attention", (True, False)),
-            ("conv_matmuls", (True, False)),
+            ("conv_rows", (True, False)),
             ("freeze", (True, False)),
             ("verify", (True, False)),
         ):

@@ -182,7 +182,7 @@ def _from_context(report: FusionReport, ctx: Context) -> None:
     report.random = ctx.notes.get("random_in_kernels", [])
     report.constants = ctx.notes.get("fold_constants", [])
     report.pools = ctx.notes.get("pools_in_kernels", [])
-    report.conv_matmuls = ctx.notes.get("pointwise_convs_as_matmuls", [])
+    report.conv_rows = ctx.notes.get("convs_as_rows", [])
     report.passes = {k: round(v, 6) for k, v in ctx.seconds.items()}
 
 

@@ -39,7 +39,7 @@ def test_resnet_block_report() -> None:
     # conv3, a 1x1 convolution over the NHWC activations, runs as a matmul
     assert [g.pattern for g in r.groups] == ["conv_epilogue"] * 2 + ["gemm_epilogue"]
     assert [g.modules[0] for g in r.groups] == ["conv1", "conv2", "conv3"]
-    assert len(r.conv_matmuls) == 1 and "conv3" in r.conv_matmuls[0]
+    assert len(r.conv_rows) == 1 and "conv3" in r.conv_rows[0]
     tail = r.groups[2]
     # The block runs channels-last; the copy back to eager's NCHW rides in the last group.
     assert r.layout.startswith("channels-last")

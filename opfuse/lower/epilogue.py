@@ -163,8 +163,12 @@ class GemmKernel:
     @property
     def in_place(self) -> bool:
         """The GEMM writes its tiles straight into the output (no epilogue but the bias)."""
-        g = next(b for b in self.epilogue.buffers if b.name == self.gemm_buffer)
-        return any(b.role == "out" and b.value == g.value for b in self.epilogue.buffers)
+        return in_place(self.epilogue, self.gemm_buffer)
+
+    @property
+    def input(self) -> Node:
+        """A, the operand the plan hands over as a tensor of the graph."""
+        return self.spec.a.node
 
     @property
     def n_tiles(self) -> int:
@@ -190,6 +194,13 @@ class GemmKernel:
         packs B."""
         tiles = 0 if self.in_place else self.slots * self.tile_m * self.tile_n
         return 4 * max(1, tiles + self.slots * self.pack_floats)
+
+
+def in_place(epilogue: Kernel, result: str) -> bool:
+    """Does the epilogue store the tiled op's `result` buffer unchanged as its output (no
+    epilogue): then the tiles are computed in the output itself."""
+    g = next(b for b in epilogue.buffers if b.name == result)
+    return any(b.role == "out" and b.value == g.value for b in epilogue.buffers)
 
 
 TILE_MAX_ELEMENTS = 1 << 19  # 2 MB of float32: a tile and its epilogue stay in L2
@@ -421,7 +432,7 @@ def match_onednn(
 ) -> OneDnnPlan | None:
     """The epilogue as oneDNN post-ops: one activation; or one binary op with another
     tensor of the output's shape, optionally followed by relu (convolution only). `conv`:
-    the convolution a matmul computes (rewrite/pointwise_conv.convolution_of), which the
+    the convolution a matmul computes (rewrite/conv_rows.convolution_of), which the
     plan runs instead, its post-ops reading the matmul's result through views."""
     epi = [m for m in members if m is not anchor]
     if anchor.tensor.dtype not in (torch.float32, torch.bfloat16):

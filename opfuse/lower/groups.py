@@ -18,8 +18,9 @@ import torch
 
 from ..fusion.groups import Group, Partition, Pattern
 from ..ir.graph import Graph, Node, bind
+from ..rewrite.conv_rows import DEPTHWISE, convolution_of
 from ..rewrite.layout import is_channels_last as channels_last
-from ..rewrite.pointwise_conv import convolution_of
+from .depthwise import DepthwiseKernel, lower_depthwise
 from .epilogue import (
     GEMMS,
     GemmKernel,
@@ -55,13 +56,15 @@ def k_blocks(k: int) -> list[tuple[int, int]]:
     return cuts
 
 
-Candidate = Kernel | GemmKernel | OneDnnPlan | PackedThenKernel | None  # None: torch
+# None: torch
+Candidate = Kernel | GemmKernel | DepthwiseKernel | OneDnnPlan | PackedThenKernel | None
 
 # The names of the candidates below (Options.implementation forces one where it exists).
 IMPLEMENTATIONS = (
     "unfused",
     "blocked",
     "opfuse-gemm",
+    "opfuse-dw",
     "onednn",
     "onednn-nhwc",
     "mkl",
@@ -118,6 +121,8 @@ def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candida
             return {"kernel": lower_group(graph, g.nodes)}, notes
         except NotFusable as e:  # the partitioner checked this; keep going regardless
             return {}, [f"could not be lowered: {e}"]
+    if g.anchor is not None and g.anchor.op == DEPTHWISE:
+        return _depthwise(graph, g, threads)
     if g.pattern.epilogue:
         assert g.anchor is not None
         unfused = lower_unfused(graph, g.anchor, g.nodes)
@@ -185,6 +190,33 @@ def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candida
             return {"torch": None, "onednn": plan}, notes
         return {"torch": None, "onednn": plan, "onednn-nhwc": plan}, notes
     return {}, notes
+
+
+def _depthwise(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candidate], list[str]]:
+    """A depthwise convolution's rows (rewrite/conv_rows.py): torch's call (then the
+    epilogue kernel), oneDNN's convolution with its post-ops, opfuse's depthwise kernel."""
+    a = g.anchor
+    assert a is not None
+    notes: list[str] = []
+    cands: dict[str, Candidate] = {}
+    if g.pattern.epilogue:
+        cands["unfused"] = lower_unfused(graph, a, g.nodes)
+    else:
+        cands["torch"] = None
+    conv = convolution_of(graph, a)
+    if conv is not None:
+        plan = match_onednn(graph, a, g.nodes, conv[0]) if g.pattern.epilogue else None
+        if plan is not None:
+            cands["onednn"] = plan
+        elif not g.pattern.epilogue:  # the convolution alone, its result handed on as rows
+            cands["onednn"] = OneDnnPlan(conv[0], a)
+        else:
+            notes.append("oneDNN: the epilogue is not a post-op it fuses")
+    try:
+        cands["opfuse-dw"] = lower_depthwise(graph, a, g.nodes, threads)
+    except NotFusable as e:
+        notes.append(f"opfuse-dw: {e}")
+    return cands, notes
 
 
 def _onednn_gemm_allowed(anchor: Node) -> bool:

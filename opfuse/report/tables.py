@@ -75,8 +75,8 @@ class FusionReport:
     passes: dict[str, float] = field(default_factory=dict)  # seconds per pass and stage
     # graphs with symbolic sizes: what was compiled once for every size, what runs with torch
     dynamic: list[str] = field(default_factory=list)
-    # 1x1 convolutions rewritten as matmuls (rewrite/pointwise_conv.py)
-    conv_matmuls: list[str] = field(default_factory=list)
+    # 1x1 and depthwise convolutions run as rows (rewrite/conv_rows.py)
+    conv_rows: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -121,7 +121,7 @@ class FusionReport:
                 for k in {**self.passes, **other.passes}
             },
             self.dynamic + other.dynamic,
-            self.conv_matmuls + other.conv_matmuls,
+            self.conv_rows + other.conv_rows,
         )
 
     def patterns(self) -> dict[str, int]:
@@ -178,11 +178,14 @@ def notes(r: FusionReport) -> list[tuple[str, str]]:
     out += [("attention", a) for a in r.attention]
     out += [("", a) for a in r.random]
     out += [("pool", p) for p in r.pools]
-    if r.conv_matmuls:
+    if r.conv_rows:
+        pw = sum("1x1" in t for t in r.conv_rows)
+        kinds = [f"{pw} 1x1 as matmuls"] if pw else []
+        kinds += [f"{len(r.conv_rows) - pw} depthwise"] if len(r.conv_rows) > pw else []
         out.append(
             (
-                "1x1 conv",
-                f"{len(r.conv_matmuls)} 1x1 convolutions as matmuls on channels-last rows "
+                "conv rows",
+                f"convolutions over channels-last rows: {', '.join(kinds)} "
                 "(each also timed as oneDNN's convolution)",
             )
         )

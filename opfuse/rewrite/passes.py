@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ..context import Context
 from ..ir.graph import Graph
-from . import attention, batchnorm, cleanup, layout, pointwise_conv, pooling, random
+from . import attention, batchnorm, cleanup, conv_rows, layout, pooling, random
 
 
 def fold_batchnorm(graph: Graph, ctx: Context) -> Graph:
@@ -48,12 +48,12 @@ def channels_last(graph: Graph, ctx: Context) -> Graph:
     return relaid.graph
 
 
-def pointwise_convs_as_matmuls(graph: Graph, ctx: Context) -> Graph:
+def convs_as_rows(graph: Graph, ctx: Context) -> Graph:
     # after the layout pass: only a channels-last input is a matrix of rows
-    if not ctx.options.conv_matmuls:
+    if not ctx.options.conv_rows:
         return graph
-    result = pointwise_conv.pointwise_convs_as_matmuls(graph, ctx.devices)
-    return _noted(ctx, "pointwise_convs_as_matmuls", result)
+    result = conv_rows.convs_as_rows(graph, ctx.devices)
+    return _noted(ctx, "convs_as_rows", result)
 
 
 def pools_in_kernels(graph: Graph, ctx: Context) -> Graph:
@@ -87,7 +87,7 @@ REWRITES = (
     fold_constants,  # again: lowering BatchNorm leaves ops on its frozen statistics
     fuse_attention,
     channels_last,
-    pointwise_convs_as_matmuls,
+    convs_as_rows,
     pools_in_kernels,
     random_in_kernels,
     copies_in_kernels,

@@ -13,6 +13,7 @@ import torch
 from ..fusion.groups import Partition
 from ..ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta, map_args
 from ..ir.ops import info
+from ..lower.depthwise import DepthwiseKernel
 from ..lower.epilogue import GemmKernel
 from ..lower.kernel import Kernel
 from .execute import (
@@ -45,10 +46,10 @@ class BuiltKernel:
 
 @dataclass
 class BuiltGemm:
-    """A blocked GEMM with its epilogue; `b` is the packed weight (or None: B is read from
-    the graph), `gemm_fn` the library function's address."""
+    """A blocked GEMM (or depthwise convolution) with its epilogue; `b` is the packed weight
+    (or None: B is read from the graph), `gemm_fn` the library function's address."""
 
-    kernel: GemmKernel
+    kernel: GemmKernel | DepthwiseKernel
     fn: Any
     b: Any
     gemm_fn: int
@@ -248,13 +249,14 @@ def build_plan(graph: Graph, part: Partition, built: Mapping[int, Built]) -> Pla
             p.call_step(b)
         elif isinstance(b, BuiltGemm):
             k = b.kernel
-            a_node = _viewed(p.by_name[k.spec.a.node.name])
+            a_node = _viewed(p.by_name[k.input.name])
             p.need(a_node)
             args: list[KernelArg] = [In(p.slot[a_node], a_node.tensor, a_node in p.torch_made)]
             reads = [a_node]
             if b.b is not None:
                 args.append(Const(b.b))
             else:
+                assert isinstance(k, GemmKernel)  # a depthwise kernel's filters are packed
                 bn = p.by_name[k.spec.b.node.name]
                 p.need(bn)
                 if b.pack is not None:

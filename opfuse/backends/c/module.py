@@ -13,10 +13,10 @@ import torch
 
 from ...ir.graph import Graph, Node, bind
 from ...ir.size import symbolic_text
+from ...lower.depthwise import DepthwiseKernel
 from ...lower.epilogue import (
     ADDITIVE,
     ERASES_NAN,
-    GEMMS,
     GemmKernel,
     OneDnnPlan,
     PackedThenKernel,
@@ -30,6 +30,7 @@ from ...runtime.finite import FiniteGuard, gain, largest
 from ...runtime.plan import Built, BuiltCall, BuiltGemm, BuiltKernel
 from ..base import Make, Module, Unavailable
 from .build import BuildError, Library, build
+from .depthwise import OWN_DEPTHWISE, pack_filters, render_depthwise
 from .gemm import (
     GEMM_TYPES,
     OWN_GEMM,
@@ -55,6 +56,7 @@ class _Named:
     names: dict[tuple[int, str], str] = dataclasses.field(default_factory=dict)
     kernels: list[tuple[str, Kernel]] = dataclasses.field(default_factory=list)
     gemms: list[tuple[str, GemmKernel, list[int] | None]] = dataclasses.field(default_factory=list)
+    depthwise: list[tuple[str, DepthwiseKernel]] = dataclasses.field(default_factory=list)
     layouts: dict[tuple[int, str], tuple[list[int], int]] = dataclasses.field(
         default_factory=dict
     )  # MKL's packed GEMM weights
@@ -68,6 +70,10 @@ def _name(lowered: Lowered, tag: str) -> _Named:
                 name = f"{c.name}_{gid}" if cname == "kernel" else f"{c.name}_{cname}_{gid}"
                 out.names[(gid, cname)] = tag + name
                 out.kernels.append((tag + name, c))
+            elif isinstance(c, DepthwiseKernel):
+                name = f"{tag}{c.name}_opfuse_dw_{gid}"
+                out.names[(gid, cname)] = name
+                out.depthwise.append((name, c))
             elif isinstance(c, GemmKernel):
                 offsets = None
                 if c.own:  # the rendered kernel's offsets (OwnPack derives the same);
@@ -92,6 +98,8 @@ def build_modules(parts: Sequence[tuple[Graph, Lowered]]) -> list[Module]:
     header = GEMM_TYPES if any(nm.gemms for nm in named) else ""
     if any(k.own for nm in named for _, k, _ in nm.gemms):
         header += OWN_GEMM
+    if any(nm.depthwise for nm in named):
+        header += OWN_DEPTHWISE
     # Sizes printed as expressions first; should that source fail, as values (the form every
     # graph with static sizes takes).
     for symbolic in (True, False):
@@ -163,10 +171,12 @@ def _render(named: Sequence[_Named], symbolic: bool) -> tuple[dict[str, str], di
             rendered[name], sized[name] = (
                 _sized(name, render, len(k.buffers)) if symbolic else (render(), ())
             )
-        for n, g, o in nm.gemms:
-            render = functools.partial(render_gemm, n, g, o)
+        tiled: list[tuple[str, GemmKernel | DepthwiseKernel, Callable[[], str]]]
+        tiled = [(n, g, functools.partial(render_gemm, n, g, o)) for n, g, o in nm.gemms]
+        tiled += [(n, d, functools.partial(render_depthwise, n, d)) for n, d in nm.depthwise]
+        for n, g, text in tiled:
             rendered[n], sized[n] = (
-                _sized(n, render, 3 + len(g.epilogue.buffers)) if symbolic else (render(), ())
+                _sized(n, text, 3 + len(g.epilogue.buffers)) if symbolic else (text(), ())
             )
     return rendered, sized
 
@@ -217,6 +227,8 @@ def _bind(
                 makers[cname] = functools.partial(BuiltKernel, c, lib.fn(name), sizes=sizes)
             elif isinstance(c, PackedThenKernel) and name:
                 makers[cname] = functools.partial(_make_packed_then, graph, c, lib.fn(name), sizes)
+            elif isinstance(c, DepthwiseKernel):
+                makers[cname] = functools.partial(_make_depthwise, graph, c, lib.fn(name), sizes)
             elif isinstance(c, GemmKernel) and c.own:
                 makers[cname] = functools.partial(_make_own_gemm, graph, c, lib.fn(name), sizes)
             elif isinstance(c, GemmKernel) and b is not None:
@@ -283,6 +295,16 @@ def _make_own_gemm(graph: Graph, c: GemmKernel, fn: Any, sizes: tuple[int, ...] 
     return BuiltGemm(c, fn, None, 0, OwnPack.of(c), sizes=sizes)
 
 
+def _make_depthwise(
+    graph: Graph, k: DepthwiseKernel, fn: Any, sizes: tuple[int, ...] = ()
+) -> Built:
+    """opfuse's depthwise kernel, its frozen filters (and bias) packed now."""
+    weight = _const(graph, k.weight)
+    bias = _const(graph, k.bias)
+    assert weight is not None and (bias is not None or k.bias is None)
+    return BuiltGemm(k, fn, pack_filters(weight, bias), 0, sizes=sizes)
+
+
 def _weight(graph: Graph, k: GemmKernel) -> torch.Tensor:
     t = _const(graph, k.spec.b.node)
     assert t is not None
@@ -292,7 +314,7 @@ def _weight(graph: Graph, k: GemmKernel) -> torch.Tensor:
 # -- oneDNN --------------------------------------------------------------------------------------
 def onednn_call(graph: Graph, plan: OneDnnPlan, channels_last: bool = False) -> BuiltCall | None:
     a = plan.anchor
-    if a.op == "aten.convolution.default" and plan.output.op in GEMMS:
+    if a.op == "aten.convolution.default" and plan.output.tensor.ndim == 2:
         return _rows(_conv_call(graph, dataclasses.replace(plan, output=a), True), plan.output)
     if a.op == "aten.convolution.default":
         return _conv_call(graph, plan, channels_last)
@@ -300,8 +322,9 @@ def onednn_call(graph: Graph, plan: OneDnnPlan, channels_last: bool = False) -> 
 
 
 def _rows(call: BuiltCall | None, matmul: Node) -> BuiltCall | None:
-    """A 1x1 convolution run for the matmul that stands for it (rewrite/pointwise_conv.py),
-    its NHWC result returned as that matmul's rows: a view, no copy."""
+    """A convolution run for the rows that stand for it (rewrite/conv_rows.py: a 1x1
+    one's matmul, a depthwise one's rows), its NHWC result returned as those rows: a
+    view, no copy."""
     if call is None:
         return None
     rows = list(matmul.tensor.shape)

@@ -1,6 +1,7 @@
-"""1x1 convolutions over channels-last input as matmuls (rewrite/pointwise_conv.py): the
-matmul takes the convolution's epilogue; every implementation, oneDNN's convolution
-itself among them, matches eager; other convolutions are left alone."""
+"""Convolutions over channels-last input as rows (rewrite/conv_rows.py): a 1x1 one as a
+matmul, a depthwise one as opfuse's depthwise kernel; either takes the convolution's
+epilogue; every implementation, oneDNN's convolution itself among them, matches eager;
+other convolutions are left alone."""
 
 from __future__ import annotations
 
@@ -55,8 +56,8 @@ def test_a_1x1_convolution_runs_as_a_matmul_with_its_epilogue() -> None:
     (g,) = _groups(fast)
     # the ReLU6 fused in, and the copy back to the NCHW layout eager returns
     assert g.ops == ["aten.addmm.default", "aten.hardtanh.default", "aten.clone.default"]
-    assert len(fast.report.conv_matmuls) == 1 and "1x1 convolution" in fast.report.conv_matmuls[0]
-    assert "1x1 convolutions as matmuls" in str(fast.report)
+    assert len(fast.report.conv_rows) == 1 and "1x1 convolution" in fast.report.conv_rows[0]
+    assert "convolutions over channels-last rows: 1 1x1 as matmuls" in str(fast.report)
     convs = [g for g in fast.report.groups if g.ops[0] == "aten.convolution.default"]
     assert len(convs) == 1  # the 3x3 one stays a convolution
     assert fast(x).stride() == m(x).stride()  # the caller still gets eager's layout
@@ -154,7 +155,7 @@ def test_other_convolutions_stay_convolutions(conv: nn.Module) -> None:
     m = nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), conv, nn.ReLU()).eval()
     x = torch.randn(2, 8, 9, 9)
     fast = opfuse.compile(m, (x,))
-    assert not fast.report.conv_matmuls and not _groups(fast)
+    assert not fast.report.conv_rows and not _groups(fast)
     assert_matches_eager(m, fast(x), (x,))
 
 
@@ -162,9 +163,9 @@ def test_nchw_graphs_and_the_switch_keep_the_convolution() -> None:
     torch.manual_seed(4)
     m = _Block(8, 8, "relu", residual=True, bias=True).eval()
     x = torch.randn(2, 8, 6, 6)
-    for opts in (opfuse.Options(layout="keep"), opfuse.Options(conv_matmuls=False)):
+    for opts in (opfuse.Options(layout="keep"), opfuse.Options(conv_rows=False)):
         fast = opfuse.compile(m, (x,), options=opts)
-        assert not fast.report.conv_matmuls and not _groups(fast)
+        assert not fast.report.conv_rows and not _groups(fast)
         assert_matches_eager(m, fast(x), (x,))
 
 
@@ -177,7 +178,7 @@ def test_new_batch_sizes_share_the_rewrite() -> None:
     for b in (3, 5, 4):
         x = torch.randn(b, 16, 8, 8)
         assert_matches_eager(m, fast(x), (x,))
-    assert all(e.report.conv_matmuls for e in fast._entries.values())  # type: ignore[attr-defined]
+    assert all(e.report.conv_rows for e in fast._entries.values())  # type: ignore[attr-defined]
 
 
 @settings(max_examples=20, deadline=None)
@@ -199,4 +200,115 @@ def test_any_shape_matches_eager(
     m = _Block(c, oc, act, residual, bias).eval()
     x = torch.randn(n, c, h, w)
     fast = opfuse.compile(m, (x,), options=opfuse.Options(implementation=impl))
+    assert_matches_eager(m, fast(x), (x,))
+
+
+# -- depthwise ---------------------------------------------------------------------------------
+DEPTHWISE = "opfuse.depthwise_rows.default"
+
+
+class _Depthwise(nn.Module):
+    def __init__(self, c: int, k: int, stride: int, pad: int, dil: int, act: str, bias: bool):
+        super().__init__()
+        self.stem = nn.Conv2d(3, c, 3, padding=1)  # the graph runs channels-last after it
+        self.dw = nn.Conv2d(c, c, k, stride, pad, dil, groups=c, bias=bias)
+        self.bn = nn.BatchNorm2d(c)
+        self.bn.running_mean.uniform_(-0.5, 0.5)
+        self.bn.running_var.uniform_(0.5, 2.0)
+        self.act = ACTS[act]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.bn(self.dw(self.stem(x))))
+
+
+def _depthwise_groups(fast: Any) -> list[Any]:
+    return [g for g in fast.report.groups if g.ops[0] == DEPTHWISE]
+
+
+def test_a_depthwise_convolution_runs_as_rows_with_its_epilogue() -> None:
+    torch.manual_seed(8)
+    block = _Depthwise(32, 3, 1, 1, 1, "relu6", bias=False)
+    m = nn.Sequential(block, nn.Conv2d(32, 8, 3)).eval()  # (no copy back to NCHW)
+    x = torch.randn(2, 3, 12, 10)
+    fast = opfuse.compile(m, (x,))
+    assert_matches_eager(m, fast(x), (x,))
+    (g,) = _depthwise_groups(fast)
+    assert g.ops[:2] == [DEPTHWISE, "aten.hardtanh.default"]  # the folded BN's ReLU6 in it
+    for name in ("opfuse-dw", "onednn"):  # measured against each other
+        assert f"{name} " in g.implementation, g.implementation
+    assert any("depthwise convolution" in n for n in fast.report.conv_rows)
+
+
+@pytest.mark.parametrize("impl", ["opfuse-dw", "onednn", "unfused"])
+@pytest.mark.parametrize("act", ["none", "relu6", "silu"])
+def test_every_depthwise_implementation_matches_eager(impl: str, act: str) -> None:
+    torch.manual_seed(9)
+    m = _Depthwise(24, 3, 2, 1, 1, act, bias=True).eval()
+    x = torch.randn(2, 3, 11, 9)
+    fast = opfuse.compile(m, (x,), options=opfuse.Options(implementation=impl))
+    for inp in (x, torch.randn(2, 3, 11, 9)):
+        assert_matches_eager(m, fast(inp), (inp,))
+    (g,) = _depthwise_groups(fast)
+    refused = impl == "onednn" and "oneDNN: the epilogue is not a post-op" in g.implementation
+    assert refused or g.implementation.split(" ")[0] == impl, g.implementation
+
+
+@pytest.mark.parametrize("impl", ["opfuse-dw", "onednn", "torch"])
+def test_a_bare_depthwise_convolution_between_convolutions(impl: str) -> None:
+    torch.manual_seed(10)
+    m = nn.Sequential(
+        nn.Conv2d(4, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 16, 5, padding=2, groups=16),
+        nn.Conv2d(16, 4, 3),
+    ).eval()
+    x = torch.randn(2, 4, 13, 13)
+    fast = opfuse.compile(m, (x,), options=opfuse.Options(implementation=impl))
+    (g,) = _depthwise_groups(fast)
+    assert g.ops == [DEPTHWISE] and g.implementation.split(" ")[0] == impl, g.implementation
+    assert_matches_eager(m, fast(x), (x,))
+
+
+def test_wide_windows_keep_the_other_candidates_and_batches_share_the_rewrite() -> None:
+    """A 9x9 window is past the kernel's registers: oneDNN's convolution and torch's run
+    instead, correctly. New batch sizes (one export with a symbolic batch) match eager."""
+    torch.manual_seed(11)
+    m = _Depthwise(16, 9, 1, 4, 1, "relu", bias=True).eval()
+    x = torch.randn(1, 3, 12, 12)
+    fast = opfuse.compile(m, (x,))
+    (g,) = _depthwise_groups(fast)
+    assert "opfuse-dw: a 9x9 window" in g.implementation
+    assert_matches_eager(m, fast(x), (x,))
+    m = _Depthwise(16, 3, 1, 1, 1, "relu6", bias=True).eval()
+    fast = opfuse.compile(m, (torch.randn(2, 3, 8, 8),))
+    for b in (3, 5):  # the second batch exports with a symbolic batch
+        xb = torch.randn(b, 3, 8, 8)
+        assert_matches_eager(m, fast(xb), (xb,))
+    assert all(_depthwise_groups(e) for e in fast._entries.values())  # type: ignore[attr-defined]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    n=st.integers(1, 2),
+    c=st.integers(1, 40),
+    h=st.integers(1, 12),
+    w=st.integers(1, 12),
+    k=st.sampled_from([1, 3, 5, 7]),
+    stride=st.integers(1, 3),
+    pad=st.integers(0, 3),
+    dil=st.integers(1, 2),
+    act=st.sampled_from(sorted(ACTS)),
+    bias=st.booleans(),
+)
+def test_any_depthwise_geometry_matches_eager(
+    n: int, c: int, h: int, w: int, k: int, stride: int, pad: int, dil: int, act: str, bias: bool
+) -> None:
+    """Channels no multiple of 16 (the scalar tail), windows at every border, strides and
+    dilations, outputs of one pixel."""
+    if h + 2 * pad < dil * (k - 1) + 1 or w + 2 * pad < dil * (k - 1) + 1:
+        return  # no output: torch refuses the shape
+    torch.manual_seed(n * 100 + c)
+    m = _Depthwise(c, k, stride, pad, dil, act, bias).eval()
+    x = torch.randn(n, 3, h, w)
+    fast = opfuse.compile(m, (x,), options=opfuse.Options(implementation="opfuse-dw"))
     assert_matches_eager(m, fast(x), (x,))

@@ -1,0 +1,135 @@
+"""A depthwise convolution's rows (rewrite/conv_rows.py) with their epilogue, as tiles: each
+thread computes a tile of output pixels x all channels with opfuse's depthwise kernel
+(backends/c/depthwise.py) into its slot of the scratch, then runs the epilogue over the
+tile while it is in cache -- the GEMM epilogue's scheme (epilogue.lower_blocked), with
+the convolution in place of the GEMM."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..ir.graph import Graph, Node
+from ..ir.index import Ix
+from ..ir.size import is_size
+from .epilogue import _check_tile_local, _name, _read_tile_slot, const_root, in_place
+from .kernel import Kernel
+from .lowering import NotFusable, _Lowering, lower_on_domain
+
+# Floats of output a tile holds: with the input rows it reads, it stays in L2.
+TILE_FLOATS = 1 << 15
+MAX_TAPS = 49  # the kernel keeps a channel block's taps in registers: 7x7 at most
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """The convolution's sizes: input N x H x W x C (NHWC), output OH x OW, kernel, stride,
+    padding, dilation."""
+
+    n: int
+    h: int
+    w: int
+    c: int
+    oh: int
+    ow: int
+    kh: int
+    kw: int
+    sh: int
+    sw: int
+    ph: int
+    pw: int
+    dh: int
+    dw: int
+
+
+@dataclass(frozen=True)
+class DepthwiseKernel:
+    """Tiles of a depthwise convolution's rows, the epilogue applied to each in cache."""
+
+    name: str
+    ops: tuple[str, ...]
+    input: Node  # x, NHWC
+    weight: Node  # the frozen filters, [C, 1, KH, KW]
+    bias: Node | None  # frozen, [C]
+    geometry: Geometry
+    epilogue: Kernel
+    gemm_buffer: str  # the epilogue's buffer that holds the convolution's result
+    tile_m: int
+    threads: int
+    notes: dict[str, str] = field(default_factory=dict, compare=False)
+
+    implementation = "opfuse-dw"
+
+    @property
+    def in_place(self) -> bool:
+        """The tiles are computed in the output itself (no epilogue)."""
+        return in_place(self.epilogue, self.gemm_buffer)
+
+    @property
+    def tile_n(self) -> int:
+        return self.geometry.c
+
+    @property
+    def rows(self) -> int:
+        g = self.geometry
+        return g.n * g.oh * g.ow
+
+    @property
+    def slots(self) -> int:
+        """A tile slot per thread that may run, never more than tiles."""
+        return min(-(-self.rows // self.tile_m), max(self.threads, os.cpu_count() or 1))
+
+    @property
+    def scratch_bytes(self) -> int:
+        return 4 * max(1, 0 if self.in_place else self.slots * self.tile_m * self.tile_n)
+
+
+def lower_depthwise(
+    graph: Graph, anchor: Node, members: Sequence[Node], threads: int
+) -> DepthwiseKernel:
+    x, w, bias, stride, padding, dilation = anchor.args
+    assert isinstance(x, Node) and isinstance(w, Node)
+    xm = x.tensor
+    n, c, h, wd = xm.shape
+    kh, kw = w.tensor.shape[2:]
+    rows = anchor.tensor.shape[0]
+    oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    ow = (wd + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    geo = Geometry(n, h, wd, c, oh, ow, kh, kw, *stride, *padding, *dilation)
+    if kh * kw > MAX_TAPS:
+        raise NotFusable(f"a {kh}x{kw} window (the depthwise kernel holds {MAX_TAPS} taps)")
+    if any(is_size(v) for v in vars(geo).values()):
+        raise NotFusable("opfuse's depthwise kernel takes static sizes")
+    nhwc = (h * wd * c, 1, wd * c, c)
+    if any(s != t for s, t, d in zip(xm.stride, nhwc, xm.shape) if d > 1):
+        raise NotFusable("the depthwise kernel reads a dense NHWC input")
+    if const_root(w) is not w or (isinstance(bias, Node) and const_root(bias) is None):
+        raise NotFusable("the depthwise kernel packs frozen filters")
+    assert rows == n * oh * ow
+    epi = [m for m in members if m is not anchor]
+
+    def value(low: _Lowering, idx: tuple[Ix, ...]) -> Any:
+        return low._load(anchor, idx)
+
+    kernel, low = lower_on_domain(graph, epi or [anchor], (rows, c), {anchor: value})
+    buf = low.in_buffers[anchor].name
+    _check_tile_local(kernel, buf)
+    tm = max(1, min(-(-rows // threads), TILE_FLOATS // c))
+    count = -(-rows // tm)
+    if count % threads and count > 1:  # whole rounds of tiles
+        tm = -(-rows // (-(-count // threads) * threads))
+    k = DepthwiseKernel(
+        name=_name(anchor, epi),
+        ops=(anchor.op, *(m.op for m in epi)),
+        input=x,
+        weight=w,
+        bias=bias if isinstance(bias, Node) else None,
+        geometry=geo,
+        epilogue=kernel,
+        gemm_buffer=buf,
+        tile_m=tm,
+        threads=threads,
+    )
+    return k if k.in_place else replace(k, epilogue=_read_tile_slot(kernel, buf, c))

@@ -1,0 +1,212 @@
+"""Convolutions as producers of rows: over a channels-last input, a 1x1 convolution (stride
+1, no padding, one group) is a matmul of the input's [N*H*W, C] rows with the weight's
+[C, OC], and a depthwise one (one group per channel) a row producer of its own. Either way
+the channels-last output is the [N*OH*OW, OC] result seen through a view and a permute:
+
+    x [N,C,H,W] (NHWC in memory) -> permute -> view [NHW, C] -> addmm(bias, ., W^T [C, OC])
+        -> view [N,H,W,OC] -> permute -> [N,OC,H,W] (NHWC in memory, as the convolution's)
+    x -> opfuse::depthwise_rows(x, weight, bias, ...) [N*OH*OW, C] -> view -> permute
+
+so the result takes its epilogue as a linear's does (bias, activation, residual add,
+stored through the view and permute), with tiles of rows computed in cache. The tuner
+weighs opfuse's GEMM (or its depthwise kernel), MKL's and torch's against the convolution
+itself, run as before by oneDNN with its post-ops (`convolution_of` finds it again).
+oneDNN's call through torch costs ~21 us before any work: opfuse's GEMM won on every 1x1
+layer of MobileNetV2 at batch 1 (1.05-2.2x alone), oneDNN on some of ResNet-50's and at
+batch 8.
+
+Only float32 on the CPU, where opfuse's kernels run; other convolutions keep oneDNN.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from ..ir.graph import CONSTANT, Graph, GraphBuilder, Node, TensorMeta, bind
+from .layout import is_channels_last
+
+CONV = "aten.convolution.default"
+DEPTHWISE = "opfuse.depthwise_rows.default"
+_NHWC_ROWS, _NCHW = [0, 2, 3, 1], [0, 3, 1, 2]
+
+
+@torch.library.custom_op("opfuse::depthwise_rows", mutates_args=())
+def depthwise_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+) -> torch.Tensor:
+    """A depthwise 2-D convolution's output as [N*OH*OW, C] rows (its NHWC order)."""
+    y = F.conv2d(x, weight, bias, stride, padding, dilation, x.shape[1])
+    return y.permute(0, 2, 3, 1).reshape(-1, x.shape[1]).clone()
+
+
+@depthwise_rows.register_fake
+def _depthwise_rows_meta(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+) -> torch.Tensor:
+    n, c, h, w = x.shape
+    kh, kw = weight.shape[2:]
+    oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    return x.new_empty((n * oh * ow, c))
+
+
+def convs_as_rows(graph: Graph, devices: Sequence[str] = ("cpu",)) -> tuple[Graph, list[str]]:
+    """`graph` with each eligible 1x1 and depthwise convolution rewritten as rows on views;
+    one line per rewritten convolution for the report."""
+    b = GraphBuilder().copy_from(graph)
+    notes: list[str] = []
+    for n in graph.nodes:
+        new = _rewrite(b, n, devices)
+        if new is None:
+            b.copy(n)
+            continue
+        y, what = new
+        b.replace(n, y)
+        where = f" ({n.source.module})" if n.source is not None and n.source.module else ""
+        notes.append(f"{n.name}{where}: {what}")
+    if not notes:
+        return graph, notes
+    return b.build(graph.outputs), notes
+
+
+def _rewrite(b: GraphBuilder, n: Node, devices: Sequence[str]) -> tuple[Node, str] | None:
+    if n.op != CONV or not isinstance(n.meta, TensorMeta):
+        return None
+    a = bind(n)
+    x, w, bias = a["input"], a["weight"], a["bias"]
+    if not isinstance(x, Node) or not isinstance(w, Node):
+        return None
+    xm, wm, out = x.tensor, w.tensor, n.meta
+    if (
+        a["transposed"]
+        or xm.ndim != 4
+        or {xm.dtype, wm.dtype, out.dtype} != {torch.float32}
+        or xm.device_type not in devices
+        or xm.device_type != "cpu"
+        or not is_channels_last(xm)
+        or not is_channels_last(out)
+        or out.numel == 0
+    ):
+        return None
+    pointwise = (
+        a["groups"] == 1
+        and tuple(wm.shape[2:]) == (1, 1)
+        and all(s == 1 for s in a["stride"])
+        and all(p == 0 for p in a["padding"])
+        and all(d == 1 for d in a["dilation"])
+    )
+    channels = xm.shape[1]
+    depthwise = (
+        a["groups"] == channels == wm.shape[0]
+        and wm.shape[1] == 1
+        and w.op == CONSTANT  # packed once, taps first (backends/c/depthwise.py)
+        and not isinstance(a["padding"], str)
+    )
+    if not pointwise and not depthwise:
+        return None
+    aten = torch.ops.aten
+    src = n.source
+    batch, _, h, wd = xm.shape
+    oc, oh, ow = out.shape[1], out.shape[2], out.shape[3]
+    before = len(b.nodes)
+    try:
+        if pointwise:
+            rows = b.call(aten.permute.default, b.get(x), _NHWC_ROWS, source=src)
+            rows = b.call(aten.view.default, rows, [batch * h * wd, channels], source=src)
+            weight = b.call(aten.view.default, b.get(w), [oc, channels], source=src)
+            weight = b.call(aten.permute.default, weight, [1, 0], source=src)
+            if isinstance(bias, Node):
+                y = b.call(aten.addmm.default, b.get(bias), rows, weight, source=src)
+            else:
+                y = b.call(aten.mm.default, rows, weight, source=src)
+        else:
+            y = b.call(
+                torch.ops.opfuse.depthwise_rows.default,
+                b.get(x),
+                b.get(w),
+                b.get(bias) if isinstance(bias, Node) else None,
+                list(a["stride"]),
+                list(a["padding"]),
+                list(a["dilation"]),
+                source=src,
+            )
+        y = b.call(aten.view.default, y, [batch, oh, ow, oc], source=src)
+        y = b.call(aten.permute.default, y, _NCHW, source=src)
+    except RuntimeError:  # a layout the rows cannot be viewed from
+        y = None
+    m = y.meta if y is not None else None
+    if not (
+        isinstance(m, TensorMeta)
+        and m.shape == out.shape
+        and all(s == t for s, t, d in zip(m.stride, out.stride, out.shape) if d > 1)
+    ):
+        del b.nodes[before:]  # not the layout the convolution gave: keep it
+        return None
+    assert y is not None
+    if pointwise:
+        return y, "a 1x1 convolution, as a matmul over channels-last rows"
+    return y, "a depthwise convolution, as rows of its channels-last output"
+
+
+def convolution_of(graph: Graph, anchor: Node) -> tuple[Node, Node] | None:
+    """The convolution a matmul or depthwise row producer `convs_as_rows` made computes,
+    as a node outside the graph (oneDNN's call reads its arguments), and the permute that
+    carries the rows out as that convolution's output; None for any other anchor, or where
+    the rows (or their [N,H,W,C] view) are read other than through it."""
+    users = graph.users
+    out = list(users[anchor])
+    if len(out) != 1 or out[0].op != "aten.view.default":
+        return None
+    out = users[out[0]]
+    if len(out) != 1 or out[0].op != "aten.permute.default" or list(out[0].args[1]) != _NCHW:
+        return None
+    if anchor.op == DEPTHWISE:
+        x, w, bias, stride, padding, dilation = anchor.args
+        assert isinstance(x, Node)
+        args = (x, w, bias, stride, padding, dilation, False, [0, 0], x.tensor.shape[1])
+    elif anchor.op in ("aten.addmm.default", "aten.mm.default"):
+        a = bind(anchor)
+        rows, weight = (a["mat1"], a["mat2"]) if "mat1" in a else (a["self"], a["mat2"])
+        bias = a["self"] if "mat1" in a else None
+        x = _chain(rows, ("aten.view.default", None), ("aten.permute.default", _NHWC_ROWS))
+        w = _chain(weight, ("aten.permute.default", [1, 0]), ("aten.view.default", None))
+        if x is None or w is None or w.tensor.ndim != 4 or x.tensor.ndim != 4:
+            return None
+        args = (x, w, bias, [1, 1], [0, 0], [1, 1], False, [0, 0], 1)
+    else:
+        return None
+    if not isinstance(w, Node) or w.op != CONSTANT:
+        return None
+    conv = Node(
+        f"{anchor.name}_as_convolution",
+        CONV,
+        args,
+        meta=out[0].meta,
+        source=anchor.source,
+        target=torch.ops.aten.convolution.default,
+    )
+    return conv, out[0]
+
+
+def _chain(n: object, *ops: tuple[str, list[int] | None]) -> Node | None:
+    """What `n` is, read back through these ops in turn (a permute with these dims)."""
+    for op, dims in ops:
+        if not isinstance(n, Node) or n.op != op:
+            return None
+        if dims is not None and list(n.args[1]) != dims:
+            return None
+        n = n.args[0]
+    return n if isinstance(n, Node) else None
