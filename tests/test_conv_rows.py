@@ -312,3 +312,20 @@ def test_any_depthwise_geometry_matches_eager(
     x = torch.randn(n, 3, h, w)
     fast = opfuse.compile(m, (x,), options=opfuse.Options(implementation="opfuse-dw"))
     assert_matches_eager(m, fast(x), (x,))
+
+
+def test_padding_valid_and_same() -> None:
+    """torch.export leaves padding="valid" as one value for both dims ([0]); it compiled
+    to an IndexError (EfficientNet's blocks) before the rewrite read it as a pair."""
+    torch.manual_seed(12)
+    m = nn.Sequential(
+        nn.Conv2d(4, 16, 3, padding=1),
+        nn.Conv2d(16, 16, 3, padding="valid", groups=16),
+        nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding="same", groups=16),
+        nn.Conv2d(16, 4, 3),
+    ).eval()
+    x = torch.randn(2, 4, 12, 12)
+    fast = opfuse.compile(m, (x,))
+    assert len(_depthwise_groups(fast)) == 2 and not fast.report.warnings
+    assert_matches_eager(m, fast(x), (x,))

@@ -117,6 +117,8 @@ def _rewrite(b: GraphBuilder, n: Node, devices: Sequence[str]) -> tuple[Node, st
     )
     if not pointwise and not depthwise:
         return None
+    # (torch.export may leave one value for both dims: padding="valid" is [0])
+    stride, padding, dilation = (_pair(a[k]) for k in ("stride", "padding", "dilation"))
     aten = torch.ops.aten
     src = n.source
     batch, _, h, wd = xm.shape
@@ -138,14 +140,14 @@ def _rewrite(b: GraphBuilder, n: Node, devices: Sequence[str]) -> tuple[Node, st
                 b.get(x),
                 b.get(w),
                 b.get(bias) if isinstance(bias, Node) else None,
-                list(a["stride"]),
-                list(a["padding"]),
-                list(a["dilation"]),
+                stride,
+                padding,
+                dilation,
                 source=src,
             )
         y = b.call(aten.view.default, y, [batch, oh, ow, oc], source=src)
         y = b.call(aten.permute.default, y, _NCHW, source=src)
-    except RuntimeError:  # a layout the rows cannot be viewed from
+    except Exception:  # a layout the rows cannot be viewed from, arguments torch refuses
         y = None
     m = y.meta if y is not None else None
     if not (
@@ -159,6 +161,11 @@ def _rewrite(b: GraphBuilder, n: Node, devices: Sequence[str]) -> tuple[Node, st
     if pointwise:
         return y, "a 1x1 convolution, as a matmul over channels-last rows"
     return y, "a depthwise convolution, as rows of its channels-last output"
+
+
+def _pair(v: object) -> list[int]:
+    vs = [v] if isinstance(v, int) else list(v)  # type: ignore[call-overload]
+    return vs * 2 if len(vs) == 1 else vs
 
 
 def convolution_of(graph: Graph, anchor: Node) -> tuple[Node, Node] | None:
