@@ -157,6 +157,25 @@ def test_decisions_of_an_older_tuner_are_not_reused(monkeypatch: pytest.MonkeyPa
     assert decisions.decision_key(["group", "shapes"]) != key
 
 
+def test_decisions_made_with_other_shared_kernel_code_are_not_reused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A decision made with an older opfuse GEMM (the code every GEMM kernel shares, not
+    part of any one kernel's text) is timed again, not taken from the cache."""
+    import torch
+
+    import opfuse
+    from opfuse.backends.c import module
+    from tests.conftest import Fn
+
+    m = Fn(lambda x: torch.relu(x @ x.t() + 3) * 2).eval()
+    x = torch.randn(48, 48)
+    opfuse.compile(m, (x,))
+    assert "cached decision" in opfuse.compile(m, (x,)).report.groups[0].implementation
+    monkeypatch.setattr(module, "OWN_GEMM", module.OWN_GEMM + "\n/* another version */\n")
+    assert "measured" in opfuse.compile(m, (x,)).report.groups[0].implementation
+
+
 def test_an_unfused_candidate_must_win_by_a_margin() -> None:
     # Timed alone an unfused call keeps its intermediate in cache; in a model it does not.
     close = {"unfused": 0.0100, "onednn": 0.0105, "torch": 0.0090}

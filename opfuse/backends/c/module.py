@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -138,6 +139,7 @@ def build_modules(parts: Sequence[tuple[Graph, Lowered]]) -> list[Module]:
         if not problem or not any(sized.values()):
             break
     modules = []
+    shared = hashlib.sha256(header.encode()).hexdigest()[:16]
     for (graph, lowered), nm in zip(parts, named):
         names = {key: alias[n] for key, n in nm.names.items()}
         used = set(names.values())
@@ -145,7 +147,9 @@ def build_modules(parts: Sequence[tuple[Graph, Lowered]]) -> list[Module]:
         mod = Module(header + "\n".join(mine), cached=cached)
         mod.problem = problem
         for gid, cands in lowered.candidates.items():
-            sig = []
+            # the code the kernels share (opfuse's GEMM, its depthwise kernel): a tuning
+            # decision made with another version of it is not this one's
+            sig = [f"shared:{shared}"]
             for cname, c in sorted(cands.items()):
                 kname = names.get((gid, cname))
                 if kname:
