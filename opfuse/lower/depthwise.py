@@ -6,7 +6,6 @@ the convolution in place of the GEMM."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -14,7 +13,15 @@ from typing import Any
 from ..ir.graph import Graph, Node
 from ..ir.index import Ix
 from ..ir.size import is_size
-from .epilogue import _check_tile_local, _name, _read_tile_slot, const_root, in_place
+from .epilogue import (
+    _check_tile_local,
+    _name,
+    _read_tile_slot,
+    const_root,
+    in_place,
+    tile_slots,
+    whole_rounds,
+)
 from .kernel import Kernel
 from .lowering import NotFusable, _Lowering, lower_on_domain
 
@@ -78,8 +85,7 @@ class DepthwiseKernel:
 
     @property
     def slots(self) -> int:
-        """A tile slot per thread that may run, never more than tiles."""
-        return min(-(-self.rows // self.tile_m), max(self.threads, os.cpu_count() or 1))
+        return tile_slots(-(-self.rows // self.tile_m), self.threads)
 
     @property
     def scratch_bytes(self) -> int:
@@ -116,10 +122,7 @@ def lower_depthwise(
     kernel, low = lower_on_domain(graph, epi or [anchor], (rows, c), {anchor: value})
     buf = low.in_buffers[anchor].name
     _check_tile_local(kernel, buf)
-    tm = max(1, min(-(-rows // threads), TILE_FLOATS // c))
-    count = -(-rows // tm)
-    if count % threads and count > 1:  # whole rounds of tiles
-        tm = -(-rows // (-(-count // threads) * threads))
+    tm = whole_rounds(rows, max(1, min(-(-rows // threads), TILE_FLOATS // c)), 1, threads)
     k = DepthwiseKernel(
         name=_name(anchor, epi),
         ops=(anchor.op, *(m.op for m in epi)),

@@ -176,10 +176,7 @@ class GemmKernel:
 
     @property
     def slots(self) -> int:
-        """Tile slots in the scratch, one per thread that may run (the kernel runs on no
-        more): a slot for every thread this machine has, in case the caller raises the
-        thread count after compiling, and never more slots than tiles."""
-        return min(self.n_tiles, max(self.threads, os.cpu_count() or 1))
+        return tile_slots(self.n_tiles, self.threads)
 
     @property
     def pack_floats(self) -> int:
@@ -194,6 +191,24 @@ class GemmKernel:
         packs B."""
         tiles = 0 if self.in_place else self.slots * self.tile_m * self.tile_n
         return 4 * max(1, tiles + self.slots * self.pack_floats)
+
+
+def tile_slots(n_tiles: int, threads: int) -> int:
+    """Tile slots in a tiled kernel's scratch, one per thread that may run (the kernel runs
+    on no more): a slot for every thread this machine has, in case the caller raises the
+    thread count after compiling, and never more slots than tiles."""
+    return min(n_tiles, max(threads, os.cpu_count() or 1))
+
+
+def whole_rounds(m: int, tm: int, n_cols: int, threads: int) -> int:
+    """Rows per tile so that the tiles (n_cols to a row of tiles) come in whole rounds of
+    `threads`: a count the threads do not divide leaves one thread a tile more than the
+    others (ViT-B's MLP, 1576 rows: 15 tiles of 112 on 2 threads, 8 and 7)."""
+    n_rows = -(-m // tm)
+    if (n_rows * n_cols) % threads and n_rows > 1:
+        rounds = -(-(n_rows * n_cols) // threads)
+        tm = -(-m // -(-(threads * rounds) // n_cols))  # more, shorter rows of tiles
+    return tm
 
 
 def in_place(epilogue: Kernel, result: str) -> bool:
@@ -228,12 +243,7 @@ def tiles(spec: GemmSpec, threads: int, epilogue: bool = True) -> tuple[int, int
             tn = _round_up(tn // 2, 64)
         while tm * tn > TILE_MAX_ELEMENTS and tm > 128:
             tm = _round_up(tm // 2, 16)
-    # Whole rounds of tiles: a count the threads do not divide leaves one thread a tile
-    # more than the others (ViT-B's MLP, 1576 rows: 15 tiles of 112 on 2 threads, 8 and 7).
-    n_rows, n_cols = -(-m // tm), -(-n // tn)
-    if (n_rows * n_cols) % threads and n_rows > 1:
-        rounds = -(-(n_rows * n_cols) // threads)
-        tm = -(-m // -(-(threads * rounds) // n_cols))  # more, shorter rows of tiles
+    tm = whole_rounds(m, tm, -(-n // tn), threads)
     return min(tm, m), min(tn, n)
 
 

@@ -33,8 +33,7 @@ DEPTHWISE = "opfuse.depthwise_rows.default"
 _NHWC_ROWS, _NCHW = [0, 2, 3, 1], [0, 3, 1, 2]
 
 
-@torch.library.custom_op("opfuse::depthwise_rows", mutates_args=())
-def depthwise_rows(
+def _depthwise_rows(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -42,25 +41,17 @@ def depthwise_rows(
     padding: list[int],
     dilation: list[int],
 ) -> torch.Tensor:
-    """A depthwise 2-D convolution's output as [N*OH*OW, C] rows (its NHWC order)."""
+    """A depthwise 2-D convolution's output as [N*OH*OW, C] rows (its NHWC order), dense
+    whatever layout the convolution chose."""
     y = F.conv2d(x, weight, bias, stride, padding, dilation, x.shape[1])
-    return y.permute(0, 2, 3, 1).reshape(-1, x.shape[1]).clone()
+    return y.permute(0, 2, 3, 1).reshape(-1, x.shape[1]).contiguous()
 
 
-@depthwise_rows.register_fake
-def _depthwise_rows_meta(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    stride: list[int],
-    padding: list[int],
-    dilation: list[int],
-) -> torch.Tensor:
-    n, c, h, w = x.shape
-    kh, kw = weight.shape[2:]
-    oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
-    ow = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
-    return x.new_empty((n * oh * ow, c))
+# The op graphs hold (torch.ops.opfuse.depthwise_rows); the same function is its fake
+# implementation: its torch ops run on fake tensors as they do on real ones (the rows are
+# made dense, as fake and real convolutions may choose their layouts differently).
+depthwise_rows = torch.library.custom_op("opfuse::depthwise_rows", mutates_args=())(_depthwise_rows)
+depthwise_rows.register_fake(_depthwise_rows)
 
 
 def convs_as_rows(graph: Graph, devices: Sequence[str] = ("cpu",)) -> tuple[Graph, list[str]]:

@@ -16,7 +16,7 @@ import torch
 
 from ...lower.depthwise import DepthwiseKernel
 from ...lower.epilogue import TILE_COL, TILE_ROW
-from .emit import STORAGE, Emitter, emit_stores
+from .gemm import tile_buffers, tile_epilogue
 
 OWN_DEPTHWISE = r"""
 typedef float opfuse_dw_v16 __attribute__((vector_size(64)));
@@ -139,18 +139,8 @@ def render_depthwise(name: str, k: DepthwiseKernel) -> str:
         "  const float *restrict X = (const float *)args[0];",
         "  const float *restrict WP = (const float *)args[1];",
     ]
-    out_of = {b.value: i for i, b in enumerate(epi.buffers) if b.role == "out"}
+    lines += tile_buffers(epi, k.gemm_buffer, k.in_place)
     local, res = not k.in_place, k.gemm_buffer
-    for i, b in enumerate(epi.buffers):
-        t = STORAGE[b.dtype]
-        if b.name == res and not local:  # the tiles are computed in the output
-            lines.append(f"  {t} *{b.name} = ({t} *)args[{out_of[b.value] + 2}];")
-            continue
-        writable = b.role == "out" or b.name == res
-        const = "" if writable else "const "
-        restrict = "" if not local and b.role == "out" else "restrict "
-        bname = f"{b.name}_slots" if local and b.name == res else b.name
-        lines.append(f"  {const}{t} *{restrict}{bname} = ({const}{t} *)args[{i + 2}];")
     rows, c = k.rows, g.c
     tiles = -(-rows // k.tile_m)
     m0, n0 = TILE_ROW, TILE_COL
@@ -174,15 +164,6 @@ def render_depthwise(name: str, k: DepthwiseKernel) -> str:
         f"{g.kh}, {g.kw}, {g.sh}, {g.sw}, {g.ph}, {g.pw}, {g.dh}, {g.dw});"
     )
     if local:  # the epilogue over the tile; its loop variables are the rows' (i0, i1)
-        em = Emitter([{}], [0])
-        lines += [
-            f"    for (int64_t i0 = {m0}; i0 < {m0} + mm; i0++) {{",
-            f"      const float *restrict {res} = tile;",
-            "      #pragma omp simd",
-            f"      for (int64_t i1 = {n0}; i1 < {n0} + {c}; i1++) {{",
-        ]
-        em.scopes.append({})
-        emit_stores(em, epi.passes[0].stores, lines, "        ")
-        lines += ["      }", "    }"]
+        lines += tile_epilogue(epi, res, local, "i0", "i1", str(c))
     lines += ["  }", "  return err;", "}"]
     return "\n".join(lines) + "\n"

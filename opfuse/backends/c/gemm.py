@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from ...lower.epilogue import OWN_PANEL, TILE_COL, TILE_ROW, GemmKernel
+from ...lower.kernel import Kernel
 from .emit import STORAGE, Emitter, emit_stores
 
 ROW_MAJOR, NO_TRANS, TRANS, PACKED, B_MATRIX = 101, 111, 112, 151, 162
@@ -351,26 +352,11 @@ def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> s
         "  const float *restrict A = (const float *)args[0];",
         "  const float *restrict B = (const float *)args[1];",
     ]
-    out_of = {b.value: i for i, b in enumerate(epi.buffers) if b.role == "out"}
-    # Each thread computes its tiles into its own tile_m x tile_n slot of the scratch
-    # (leading dimension tile_n) rather than at the tile's place in a full [m, n] result:
-    # rows n floats apart fell into the same L1 sets and a page each, and the kernel's
-    # speed varied 2x with where the scratch lay (ViT-B's MLP: 50-120 ms).
+    # the scratch holds only the packing areas where the tiles are computed in the output
+    packing = "  float *restrict packing = (float *)args[{arg}];" if k.packs_b else ""
+    lines += tile_buffers(epi, k.gemm_buffer, k.in_place, packing)
     local = not k.in_place
     g = k.gemm_buffer
-    for i, b in enumerate(epi.buffers):
-        t = STORAGE[b.dtype]
-        if b.name == g and k.in_place:
-            # the tiles are computed in the output itself; bias is added in place
-            lines.append(f"  {t} *{b.name} = ({t} *)args[{out_of[b.value] + 2}];")
-            if k.packs_b:  # the scratch holds only the packing areas
-                lines.append(f"  float *restrict packing = (float *)args[{i + 2}];")
-            continue
-        writable = b.role == "out" or b.name == g
-        const = "" if writable else "const "
-        restrict = "" if k.in_place and b.role == "out" else "restrict "
-        name = f"{b.name}_slots" if local and b.name == g else b.name
-        lines.append(f"  {const}{t} *{restrict}{name} = ({const}{t} *)args[{i + 2}];")
     fn_arg = len(epi.buffers) + 2
     if k.packs_b:  # B as the graph holds it, packed per tile below
         if local:  # the packing areas follow the tile slots
@@ -440,19 +426,56 @@ def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> s
         ]
     # The epilogue over the tile. Its loop variables are the GEMM's: i0 (batch), i1, i2.
     bvar, mvar, nvar = ("i0", "i1", "i2") if s.kind == "bmm" else (None, "i0", "i1")
-    em = Emitter([{}], [0])
     if bvar:
         lines.append(f"    const int64_t {bvar} = bb;")
-    lines.append(f"    for (int64_t {mvar} = {m0}; {mvar} < {m0} + mm; {mvar}++) {{")
+    lines += tile_epilogue(epi, g, local, mvar, nvar, "nn")
+    lines += ["  }", "  return err;", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def tile_buffers(epi: Kernel, result: str, in_place: bool, after_result: str = "") -> list[str]:
+    """C declarations of a tiled kernel's epilogue buffers, from args[2] on. The `result`
+    buffer (what the GEMM or convolution computes) is the threads' tile slots, named
+    `<result>_slots`, or, `in_place`, the output itself; `after_result` (a format with
+    {arg}: that buffer's argument) is declared after it in place."""
+    out_of = {b.value: i for i, b in enumerate(epi.buffers) if b.role == "out"}
+    # Each thread computes its tiles into its own tile_m x tile_n slot of the scratch
+    # (leading dimension tile_n) rather than at the tile's place in a full [m, n] result:
+    # rows n floats apart fell into the same L1 sets and a page each, and the kernel's
+    # speed varied 2x with where the scratch lay (ViT-B's MLP: 50-120 ms).
+    lines = []
+    for i, b in enumerate(epi.buffers):
+        t = STORAGE[b.dtype]
+        if b.name == result and in_place:
+            # the tiles are computed in the output itself; bias is added in place
+            lines.append(f"  {t} *{b.name} = ({t} *)args[{out_of[b.value] + 2}];")
+            if after_result:
+                lines.append(after_result.format(arg=i + 2))
+            continue
+        writable = b.role == "out" or b.name == result
+        const = "" if writable else "const "
+        restrict = "" if in_place and b.role == "out" else "restrict "
+        name = f"{b.name}_slots" if not in_place and b.name == result else b.name
+        lines.append(f"  {const}{t} *{restrict}{name} = ({const}{t} *)args[{i + 2}];")
+    return lines
+
+
+def tile_epilogue(
+    epi: Kernel, result: str, local: bool, mvar: str, nvar: str, cols: str
+) -> list[str]:
+    """C for the epilogue over one tile: rows `mvar` from the tile's origin (TILE_ROW,
+    `mm` of them), `cols` columns `nvar` from TILE_COL; `local`: the result is read from
+    the thread's slot, `tile`, at (row - m0) * tile_n + (col - n0) (lower_blocked)."""
+    m0, n0 = TILE_ROW, TILE_COL
+    lines = [f"    for (int64_t {mvar} = {m0}; {mvar} < {m0} + mm; {mvar}++) {{"]
     if local:
-        # the epilogue reads the slot at (row - m0) * tile_n + (col - n0) (lower_blocked)
-        lines.append(f"      const float *restrict {g} = tile;")
+        lines.append(f"      const float *restrict {result} = tile;")
     lines.append("      #pragma omp simd")
-    lines.append(f"      for (int64_t {nvar} = {n0}; {nvar} < {n0} + nn; {nvar}++) {{")
+    lines.append(f"      for (int64_t {nvar} = {n0}; {nvar} < {n0} + {cols}; {nvar}++) {{")
+    em = Emitter([{}], [0])
     em.scopes.append({})
     emit_stores(em, epi.passes[0].stores, lines, "        ")
-    lines += ["      }", "    }", "  }", "  return err;", "}"]
-    return "\n".join(lines) + "\n"
+    return [*lines, "      }", "    }"]
 
 
 def _core(k: GemmKernel, packed_offsets: list[int] | None) -> str:
