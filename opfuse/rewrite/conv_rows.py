@@ -104,7 +104,6 @@ def _rewrite(b: GraphBuilder, n: Node, devices: Sequence[str]) -> tuple[Node, st
         a["groups"] == channels == wm.shape[0]
         and wm.shape[1] == 1
         and w.op == CONSTANT  # packed once, taps first (backends/c/depthwise.py)
-        and not isinstance(a["padding"], str)
     )
     if not pointwise and not depthwise:
         return None
