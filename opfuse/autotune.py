@@ -35,9 +35,10 @@ from .ir.graph import CONSTANT, INPUT, Graph, GraphBuilder, Node, TensorMeta
 from .ir.ops import Kind, info
 from .ir.size import symbolic_text
 from .ir.uses import used_outside
+from .lower.dw_gemm import NAME
 from .runtime.execute import Runtime
 from .runtime.heap import release_freed_memory
-from .runtime.plan import Built, BuiltCall, build_plan
+from .runtime.plan import Absorbed, Built, BuiltCall, build_plan
 from .tools.progress import Progress
 
 log = logging.getLogger("opfuse.autotune")
@@ -361,11 +362,16 @@ def tune(
     so the prepacked weights of all candidates never coexist."""
     built: dict[int, Built] = {}
     decisions: dict[int, Decision] = {}
-    several = [g for g in part.groups if len(module.candidates.get(g.id, {})) > 1]
+
+    def own(gid: int) -> dict[str, Make]:  # the candidates that do the group's work alone
+        cands = module.candidates.get(gid, {})
+        return {k: v for k, v in cands.items() if (gid, k) not in module.absorbs}
+
+    several = [g for g in part.groups if len(own(g.id)) > 1]
     noise = Noise()  # timing inputs for every group, from one random draw
     with Progress(len(several), "timing implementations") as bar:
         for g in part.groups:
-            makers = module.candidates.get(g.id, {})
+            makers = own(g.id)
             if len(makers) <= 1:
                 only = next(iter(_made(makers, makers).values()), None)
                 if only is not None:
@@ -398,7 +404,87 @@ def tune(
                 # The heap the timing freed (inputs, outputs, losers) goes back to the OS
                 # now: glibc keeps it resident, and the next group's peak would stack on it.
                 release_freed_memory()
+    for (gid, name), producer in module.absorbs.items():
+        _pair(graph, part, module, (producer, gid, name), built, decisions, force, noise)
     return built, decisions
+
+
+def _pair(
+    graph: Graph,
+    part: Partition,
+    module: Module,
+    pair: tuple[int, int, str],
+    built: dict[int, Built],
+    decisions: dict[int, Decision],
+    force: str | None,
+    noise: Noise,
+) -> None:
+    """Run groups `first` and `second` as candidate `name` of the second, which does the
+    work of both (lower/dw_gemm.py), when that is forced or measures faster than the two
+    as each was chosen to run."""
+    first, second, name = pair
+    if force is not None and force != name:
+        return  # another implementation forced: the groups run as forced
+    try:
+        fused = module.candidates[second][name]()
+    except Unavailable:
+        return
+    if fused is None:
+        return
+    if force == name:
+        d = Decision(name, {})
+    else:
+        groups = {g.id: g for g in part.groups}
+        chosen = [decisions[i].choice if i in decisions else "only" for i in (first, second)]
+        with symbolic_text():
+            io = [*_io_signature(graph, groups[first]), *_io_signature(graph, groups[second])]
+        sigs = [*module.signatures.get(first, []), *module.signatures.get(second, [])]
+        key = decision_key(["pair", name, *sigs, *io, *chosen])
+        remembered = load_decision(key)
+        if remembered is not None:
+            d = remembered
+        else:
+            g1, g2 = groups[first], groups[second]
+            d = _time_pair(graph, (g1, g2), (built.get(first), built.get(second), fused), noise)
+            save_decision(key, d)
+    if d.choice == name:
+        built[second], built[first] = fused, Absorbed(second)
+        decisions[second] = d
+
+
+def _time_pair(
+    graph: Graph, groups: tuple[Group, Group], runs: tuple[Any, Any, Any], noise: Noise
+) -> Decision:
+    """Time the two groups as chosen ("separate") against the candidate that does both."""
+    g1, g2 = groups
+    b1, b2, fused = runs
+    sub, externals = subgraph(graph, [*g1.nodes, *g2.nodes])
+    by_name = {n.name: n for n in sub.nodes}
+
+    def copy(i: int, g: Group, nodes: list[Node]) -> Group:
+        anchor = by_name[g.anchor.name] if g.anchor else None
+        return Group(i, [by_name[n.name] for n in nodes], g.pattern, anchor)
+
+    both = Partition([copy(0, g2, [*g1.nodes, *g2.nodes])])
+    apart = Partition([copy(0, g1, g1.nodes), copy(1, g2, g2.nodes)])
+    chosen = {i: b for i, b in enumerate((b1, b2)) if b is not None}
+    inputs = [noise.like(n.tensor) for n in externals]
+    runners = {
+        NAME: functools.partial(Runtime(build_plan(sub, both, {0: fused}), guards=False), inputs),
+        "separate": functools.partial(
+            Runtime(build_plan(sub, apart, chosen), guards=False), inputs
+        ),
+    }
+    # Timed alone, the rows the separate groups pass between them stay in cache; inside a
+    # model they make their round trip to memory: the fused candidate wins by a margin.
+    rows = g1.nodes[-1].tensor.nbytes
+    flattered = frozenset({"separate"}) if rows <= _cache_bytes() // 2 else frozenset()
+    seconds = time_candidates(runners, done=functools.partial(settled, flattered=flattered))
+    del runners, inputs
+    release_freed_memory()
+    if not seconds:
+        return Decision("separate", {})
+    return Decision(pick(seconds, flattered), seconds)
 
 
 def _made(makers: dict[str, Make], names: Iterable[str]) -> dict[str, Built | None]:

@@ -251,7 +251,15 @@ def _round_up(x: int, k: int) -> int:
     return -(-x // k) * k
 
 
-def lower_blocked(graph: Graph, anchor: Node, members: Sequence[Node], threads: int) -> GemmKernel:
+def lower_blocked(
+    graph: Graph,
+    anchor: Node,
+    members: Sequence[Node],
+    threads: int,
+    tile: tuple[int, int] | None = None,
+) -> GemmKernel:
+    """The GEMM in tiles (`tile`: rows x columns, else `tiles` chooses), each tile's
+    epilogue run while it is in cache."""
     spec, why = gemm_spec(anchor)
     if spec is None:
         raise NotFusable(why)
@@ -272,7 +280,7 @@ def lower_blocked(graph: Graph, anchor: Node, members: Sequence[Node], threads: 
     kernel, low = lower_on_domain(graph, epi or [anchor], domain, {anchor: gemm_value})
     gemm_buf = low.in_buffers[anchor].name
     _check_tile_local(kernel, gemm_buf)
-    tm, tn = tiles(spec, threads, epilogue=bool(epi))
+    tm, tn = tile or tiles(spec, threads, epilogue=bool(epi))
     k = GemmKernel(
         name=_name(anchor, epi),
         ops=(anchor.op, *(m.op for m in epi)),

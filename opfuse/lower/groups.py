@@ -21,6 +21,7 @@ from ..ir.graph import Graph, Node, bind
 from ..rewrite.conv_rows import DEPTHWISE, convolution_of
 from ..rewrite.layout import is_channels_last as channels_last
 from .depthwise import DepthwiseKernel, lower_depthwise
+from .dw_gemm import DwGemmKernel, pair_depthwise_gemms
 from .epilogue import (
     GEMMS,
     GemmKernel,
@@ -57,7 +58,9 @@ def k_blocks(k: int) -> list[tuple[int, int]]:
 
 
 # None: torch
-Candidate = Kernel | GemmKernel | DepthwiseKernel | OneDnnPlan | PackedThenKernel | None
+Candidate = (
+    Kernel | GemmKernel | DepthwiseKernel | DwGemmKernel | OneDnnPlan | PackedThenKernel | None
+)
 
 # The names of the candidates below (Options.implementation forces one where it exists).
 IMPLEMENTATIONS = (
@@ -65,6 +68,7 @@ IMPLEMENTATIONS = (
     "blocked",
     "opfuse-gemm",
     "opfuse-dw",
+    "opfuse-dw-gemm",
     "onednn",
     "onednn-nhwc",
     "mkl",
@@ -89,6 +93,7 @@ def lower_groups(graph: Graph, part: Partition, threads: int | None = None) -> L
         out.candidates[g.id], out.notes[g.id] = _candidates(graph, g, threads)
         if not out.candidates[g.id] and g.pattern.generated:
             g.pattern, g.reason = Pattern.FALLBACK, "; ".join(out.notes[g.id])
+    pair_depthwise_gemms(graph, part, out.candidates, threads)
     return out
 
 

@@ -11,7 +11,7 @@ from ..ir.ops import VIEW_OPS, Kind, info, short
 from ..lower.epilogue import GemmKernel
 from ..lower.groups import Lowered
 from ..lower.kernel import Kernel
-from ..runtime.plan import Built, BuiltCall, BuiltGemm, BuiltKernel
+from ..runtime.plan import Absorbed, Built, BuiltCall, BuiltGemm, BuiltKernel
 from .tables import EdgeReport, FusionReport, GroupReport, RejectReport
 
 
@@ -51,11 +51,15 @@ def make_report(
         kernel, fused = _implementation(g, b)
         launches += _launches(g, b)
         saved = _kept_out_of_memory(graph, g) if fused else []
+        if isinstance(b, Absorbed):  # nothing the group computes reaches memory
+            saved = [n for n in g.nodes if isinstance(n.meta, TensorMeta)]
         modules = list(
             dict.fromkeys(n.source.module for n in g.nodes if n.source and n.source.module)
         )
         d = decisions.get(g.id)
         implementation = d.describe() if d is not None else _default_impl(g, b)
+        if isinstance(b, Absorbed):
+            implementation = f"inside group {b.into}'s kernel (its {implementation})"
         notes = lowered.notes.get(g.id, [])
         if notes and g.pattern.epilogue:
             implementation += " [not candidates: " + "; ".join(notes) + "]"
@@ -106,18 +110,34 @@ def make_report(
         )
         launches += 1
     label = _labels(graph)
+    joined = _joined(part, built)
     return FusionReport(
         kernels_before=eager_kernels if eager_kernels is not None else count_kernels(graph),
         kernels_after=launches,
         groups=groups,
         rejected=[
-            RejectReport(label(r.producer), label(r.consumer), r.reason) for r in part.rejected
+            RejectReport(label(r.producer), label(r.consumer), r.reason)
+            for r in part.rejected
+            if (r.producer, r.consumer) not in joined
         ],
         bytes_before=bytes_before,
         bytes_after=bytes_after,
         edges=_edges(graph, part),
         fusions=[[a, b] for a, b in part.fusions],
     )
+
+
+def _joined(part: Partition, built: Mapping[int, Built]) -> set[tuple[str, str]]:
+    """(producer, consumer) node names the partition kept apart that one kernel runs
+    after all (a group absorbed into another's kernel)."""
+    by_id = {g.id: g for g in part.groups}
+    out: set[tuple[str, str]] = set()
+    for g in part.groups:
+        b = built.get(g.id)
+        if isinstance(b, Absorbed):
+            into = [n.name for n in by_id[b.into].nodes]
+            out.update((n.name, m) for n in g.nodes for m in into)
+    return out
 
 
 def _labels(graph: Graph) -> Callable[[str], str]:
@@ -197,6 +217,8 @@ def _kernel_of(b: Built | None) -> Kernel | None:
 
 def _implementation(g: Group, b: Built | None) -> tuple[str, bool]:
     """(what runs, whether the group's intermediates stay out of memory)."""
+    if isinstance(b, Absorbed):
+        return f"(in group {b.into})", True
     if isinstance(b, BuiltGemm):
         return f"{b.kernel.name}_{b.kernel.implementation.replace('-', '_')}_{g.id}", True
     if isinstance(b, BuiltCall):
@@ -212,6 +234,8 @@ def _implementation(g: Group, b: Built | None) -> tuple[str, bool]:
 
 
 def _launches(g: Group, b: Built | None) -> int:
+    if isinstance(b, Absorbed):
+        return 0
     if isinstance(b, (BuiltGemm, BuiltCall)):
         return 1
     if isinstance(b, BuiltKernel):

@@ -14,6 +14,7 @@ from ..fusion.groups import Partition
 from ..ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta, map_args
 from ..ir.ops import info
 from ..lower.depthwise import DepthwiseKernel
+from ..lower.dw_gemm import DwGemmKernel
 from ..lower.epilogue import GemmKernel
 from ..lower.kernel import Kernel
 from .execute import (
@@ -49,7 +50,7 @@ class BuiltGemm:
     """A blocked GEMM (or depthwise convolution) with its epilogue; `b` is the packed weight
     (or None: B is read from the graph), `gemm_fn` the library function's address."""
 
-    kernel: GemmKernel | DepthwiseKernel
+    kernel: GemmKernel | DepthwiseKernel | DwGemmKernel
     fn: Any
     b: Any
     gemm_fn: int
@@ -74,7 +75,15 @@ class BuiltCall:
     guard: FiniteGuard | None = None  # bounds through the call; NaN kept by its post-op
 
 
-Built = BuiltKernel | BuiltGemm | BuiltCall
+@dataclass(frozen=True)
+class Absorbed:
+    """The group runs inside another group's kernel (a depthwise convolution inside the
+    matmul that reads it: lower/dw_gemm.py): no step of its own."""
+
+    into: int
+
+
+Built = BuiltKernel | BuiltGemm | BuiltCall | Absorbed
 
 
 def _aliases_input(n: Node) -> bool:
@@ -242,6 +251,8 @@ def build_plan(graph: Graph, part: Partition, built: Mapping[int, Built]) -> Pla
     p = _Planner(graph)
     for g in part.groups:
         b = built.get(g.id)
+        if isinstance(b, Absorbed):
+            continue
         if b is None:
             for n in g.nodes:
                 p.torch_step(n)

@@ -15,7 +15,9 @@ from __future__ import annotations
 import torch
 
 from ...lower.depthwise import DepthwiseKernel
+from ...lower.dw_gemm import DwGemmKernel
 from ...lower.epilogue import TILE_COL, TILE_ROW
+from .emit import STORAGE
 from .gemm import tile_buffers, tile_epilogue
 
 OWN_DEPTHWISE = r"""
@@ -166,4 +168,60 @@ def render_depthwise(name: str, k: DepthwiseKernel) -> str:
     if local:  # the epilogue over the tile; its loop variables are the rows' (i0, i1)
         lines += tile_epilogue(epi, res, local, "i0", "i1", str(c))
     lines += ["  }", "  return err;", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def render_dw_gemm(name: str, k: DwGemmKernel) -> str:
+    """C for a depthwise convolution feeding a matmul (lower/dw_gemm.py). Arguments: x,
+    the packed filters and bias followed by the matmul's packed panels, the depthwise
+    epilogue's inputs, the matmul epilogue's buffers (its result's is the scratch: per
+    thread, the depthwise tile, the rows the matmul reads, the matmul's tile), an unused
+    library address. Each epilogue's buffers are declared in a block of its own: their
+    names are their kernels' own."""
+    d, gk, g = k.dw, k.gemm, k.dw.geometry
+    c, n, tm, rows = g.c, gk.spec.n, k.tile_m, k.rows
+    first = 2 + len(k.dw_buffers)  # the matmul epilogue's first argument
+    scratch = first + [b.name for b in gk.epilogue.buffers].index(gk.gemm_buffer)
+    m0, n0 = TILE_ROW, TILE_COL
+    lines = [
+        f"/* {k.name}: {', '.join(dict.fromkeys(k.ops))}",
+        f" * depthwise {g.kh}x{g.kw}/{g.sh} over {g.n}x{g.h}x{g.w}x{c} NHWC, its rows @ "
+        f"{c}x{n} (opfuse's GEMM), tiles of {tm} pixels; both epilogues in cache */",
+        f"int {name}(void *const *args, int nthreads) {{",
+        "  const float *restrict X = (const float *)args[0];",
+        "  const float *restrict WP = (const float *)args[1];",
+        f"  const float *restrict B = WP + {g.kh * g.kw * c + c};",
+        f"  float *restrict scratch = (float *)args[{scratch}];",
+        "  int err = 0;",
+        f"  if (nthreads > {k.slots}) nthreads = {k.slots};",
+        "  #pragma omp parallel for num_threads(nthreads) schedule(static)",
+        f"  for (int64_t tm = 0; tm < {-(-rows // tm)}; tm++) {{",
+        f"    const int64_t {m0} = tm * {tm}, {n0} = 0;",
+        f"    const int64_t mm = {rows} - {m0} < {tm} ? {rows} - {m0} : {tm};",
+        f"    float *dtile = scratch + (int64_t)omp_get_thread_num() * {k.slot_floats};",
+        f"    float *atile = dtile + {tm * c}, *ctile = atile + {tm * c};",
+        f"    opfuse_dw_tile(X, WP, {'atile' if d.in_place else 'dtile'}, {c}, {m0}, mm, "
+        f"{g.h}, {g.w}, {c}, {g.oh}, {g.ow}, {g.kh}, {g.kw}, {g.sh}, {g.sw}, {g.ph}, {g.pw}, "
+        f"{g.dh}, {g.dw});",
+    ]
+    if not d.in_place:  # the depthwise epilogue: dtile -> the rows the matmul reads
+        rows_buf = next(b.name for b in d.epilogue.buffers if b.value == k.rows_value)
+        lines += ["    {", "    float *tile = dtile;", f"    float *{rows_buf} = atile;"]
+        for j, b in enumerate(k.dw_buffers):
+            t = STORAGE[b.dtype]
+            lines.append(f"    const {t} *restrict {b.name} = (const {t} *)args[{2 + j}];")
+        lines += tile_epilogue(d.epilogue, d.gemm_buffer, True, "i0", "i1", str(c))
+        lines.append("    }")
+    lines.append("    {")
+    lines += [
+        "  " + line for line in tile_buffers(gk.epilogue, gk.gemm_buffer, gk.in_place, first=first)
+    ]
+    out = f"{gk.gemm_buffer} + {m0} * {n}" if gk.in_place else "ctile"
+    lines += [
+        f"    float *tile = {out};",
+        f"    const int nn = {n};",
+        f"    opfuse_gemm_tile(atile, {c}, B, tile, {n}, (int)mm, nn, {c});",
+    ]
+    lines += tile_epilogue(gk.epilogue, gk.gemm_buffer, not gk.in_place, "i0", "i1", "nn")
+    lines += ["    }", "  }", "  return err;", "}"]
     return "\n".join(lines) + "\n"

@@ -433,8 +433,10 @@ def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> s
     return "\n".join(lines) + "\n"
 
 
-def tile_buffers(epi: Kernel, result: str, in_place: bool, after_result: str = "") -> list[str]:
-    """C declarations of a tiled kernel's epilogue buffers, from args[2] on. The `result`
+def tile_buffers(
+    epi: Kernel, result: str, in_place: bool, after_result: str = "", first: int = 2
+) -> list[str]:
+    """C declarations of a tiled kernel's epilogue buffers, from args[first] on. The `result`
     buffer (what the GEMM or convolution computes) is the threads' tile slots, named
     `<result>_slots`, or, `in_place`, the output itself; `after_result` (a format with
     {arg}: that buffer's argument) is declared after it in place."""
@@ -448,15 +450,15 @@ def tile_buffers(epi: Kernel, result: str, in_place: bool, after_result: str = "
         t = STORAGE[b.dtype]
         if b.name == result and in_place:
             # the tiles are computed in the output itself; bias is added in place
-            lines.append(f"  {t} *{b.name} = ({t} *)args[{out_of[b.value] + 2}];")
+            lines.append(f"  {t} *{b.name} = ({t} *)args[{out_of[b.value] + first}];")
             if after_result:
-                lines.append(after_result.format(arg=i + 2))
+                lines.append(after_result.format(arg=i + first))
             continue
         writable = b.role == "out" or b.name == result
         const = "" if writable else "const "
         restrict = "" if in_place and b.role == "out" else "restrict "
         name = f"{b.name}_slots" if not in_place and b.name == result else b.name
-        lines.append(f"  {const}{t} *{restrict}{name} = ({const}{t} *)args[{i + 2}];")
+        lines.append(f"  {const}{t} *{restrict}{name} = ({const}{t} *)args[{i + first}];")
     return lines
 
 

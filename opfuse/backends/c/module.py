@@ -15,6 +15,7 @@ import torch
 from ...ir.graph import Graph, Node, bind
 from ...ir.size import symbolic_text
 from ...lower.depthwise import DepthwiseKernel
+from ...lower.dw_gemm import DwGemmKernel
 from ...lower.epilogue import (
     ADDITIVE,
     ERASES_NAN,
@@ -31,7 +32,7 @@ from ...runtime.finite import FiniteGuard, gain, largest
 from ...runtime.plan import Built, BuiltCall, BuiltGemm, BuiltKernel
 from ..base import Make, Module, Unavailable
 from .build import BuildError, Library, build
-from .depthwise import OWN_DEPTHWISE, pack_filters, render_depthwise
+from .depthwise import OWN_DEPTHWISE, pack_filters, render_depthwise, render_dw_gemm
 from .gemm import (
     GEMM_TYPES,
     OWN_GEMM,
@@ -58,6 +59,7 @@ class _Named:
     kernels: list[tuple[str, Kernel]] = dataclasses.field(default_factory=list)
     gemms: list[tuple[str, GemmKernel, list[int] | None]] = dataclasses.field(default_factory=list)
     depthwise: list[tuple[str, DepthwiseKernel]] = dataclasses.field(default_factory=list)
+    dw_gemms: list[tuple[str, DwGemmKernel]] = dataclasses.field(default_factory=list)
     layouts: dict[tuple[int, str], tuple[list[int], int]] = dataclasses.field(
         default_factory=dict
     )  # MKL's packed GEMM weights
@@ -75,6 +77,10 @@ def _name(lowered: Lowered, tag: str) -> _Named:
                 name = f"{tag}{c.name}_opfuse_dw_{gid}"
                 out.names[(gid, cname)] = name
                 out.depthwise.append((name, c))
+            elif isinstance(c, DwGemmKernel):
+                name = f"{tag}{c.name}_opfuse_dw_gemm_{gid}"
+                out.names[(gid, cname)] = name
+                out.dw_gemms.append((name, c))
             elif isinstance(c, GemmKernel):
                 offsets = None
                 if c.own:  # the rendered kernel's offsets (OwnPack derives the same);
@@ -97,9 +103,9 @@ def build_modules(parts: Sequence[tuple[Graph, Lowered]]) -> list[Module]:
     regions of a graph with symbolic sizes compile together. A Module per graph."""
     named = [_name(lowered, f"g{i}_" if i else "") for i, (_, lowered) in enumerate(parts)]
     header = GEMM_TYPES if any(nm.gemms for nm in named) else ""
-    if any(k.own for nm in named for _, k, _ in nm.gemms):
+    if any(k.own for nm in named for _, k, _ in nm.gemms) or any(nm.dw_gemms for nm in named):
         header += OWN_GEMM
-    if any(nm.depthwise for nm in named):
+    if any(nm.depthwise or nm.dw_gemms for nm in named):
         header += OWN_DEPTHWISE
     # Sizes printed as expressions first; should that source fail, as values (the form every
     # graph with static sizes takes).
@@ -175,9 +181,10 @@ def _render(named: Sequence[_Named], symbolic: bool) -> tuple[dict[str, str], di
             rendered[name], sized[name] = (
                 _sized(name, render, len(k.buffers)) if symbolic else (render(), ())
             )
-        tiled: list[tuple[str, GemmKernel | DepthwiseKernel, Callable[[], str]]]
+        tiled: list[tuple[str, GemmKernel | DepthwiseKernel | DwGemmKernel, Callable[[], str]]]
         tiled = [(n, g, functools.partial(render_gemm, n, g, o)) for n, g, o in nm.gemms]
         tiled += [(n, d, functools.partial(render_depthwise, n, d)) for n, d in nm.depthwise]
+        tiled += [(n, d, functools.partial(render_dw_gemm, n, d)) for n, d in nm.dw_gemms]
         for n, g, text in tiled:
             rendered[n], sized[n] = (
                 _sized(n, text, 3 + len(g.epilogue.buffers)) if symbolic else (text(), ())
@@ -233,6 +240,9 @@ def _bind(
                 makers[cname] = functools.partial(_make_packed_then, graph, c, lib.fn(name), sizes)
             elif isinstance(c, DepthwiseKernel):
                 makers[cname] = functools.partial(_make_depthwise, graph, c, lib.fn(name), sizes)
+            elif isinstance(c, DwGemmKernel):
+                makers[cname] = functools.partial(_make_dw_gemm, graph, c, lib.fn(name), sizes)
+                mod.absorbs[(gid, cname)] = c.producer
             elif isinstance(c, GemmKernel) and c.own:
                 makers[cname] = functools.partial(_make_own_gemm, graph, c, lib.fn(name), sizes)
             elif isinstance(c, GemmKernel) and b is not None:
@@ -307,6 +317,16 @@ def _make_depthwise(
     bias = _const(graph, k.bias)
     assert weight is not None and (bias is not None or k.bias is None)
     return BuiltGemm(k, fn, pack_filters(weight, bias), 0, sizes=sizes)
+
+
+def _make_dw_gemm(graph: Graph, k: DwGemmKernel, fn: Any, sizes: tuple[int, ...] = ()) -> Built:
+    """A depthwise convolution feeding a matmul: the filters and bias packed as the
+    depthwise kernel reads them, then the matmul's weight as opfuse's GEMM does."""
+    weight = _const(graph, k.dw.weight)
+    bias = _const(graph, k.dw.bias)
+    assert weight is not None and (bias is not None or k.dw.bias is None)
+    packed = torch.cat([pack_filters(weight, bias), OwnPack.of(k.gemm)(_weight(graph, k.gemm))])
+    return BuiltGemm(k, fn, packed, 0, sizes=sizes)
 
 
 def _weight(graph: Graph, k: GemmKernel) -> torch.Tensor:

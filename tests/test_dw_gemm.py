@@ -1,0 +1,184 @@
+"""A depthwise convolution's rows fed straight into the 1x1 convolution's matmul that reads
+them (lower/dw_gemm.py): one kernel for both groups, timed against the two run apart;
+every shape matches eager; rows anyone else reads keep the groups apart."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import opfuse
+from opfuse.rewrite.conv_rows import DEPTHWISE
+from tests.conftest import assert_matches_eager
+
+FUSED = opfuse.Options(implementation="opfuse-dw-gemm")
+
+
+class _Tail(nn.Module):
+    """An inverted residual block's tail: depthwise convolution (an activation after it or
+    none), then the 1x1 projection, the block input added back where the shapes allow."""
+
+    def __init__(
+        self,
+        c: int,
+        oc: int,
+        k: int = 3,
+        stride: int = 1,
+        dil: int = 1,
+        act: bool = True,
+        bias: bool = True,
+        residual: bool = True,
+    ) -> None:
+        super().__init__()
+        pad = dil * (k - 1) // 2
+        self.dw = nn.Conv2d(c, c, k, stride, pad, dilation=dil, groups=c, bias=bias)
+        self.pw = nn.Conv2d(c, oc, 1, bias=bias)
+        self.act = act
+        self.residual = residual and c == oc and stride == 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.dw(x)
+        y = self.pw(F.relu6(y) if self.act else y)
+        return y + x if self.residual else y
+
+
+def _nhwc(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape).to(memory_format=torch.channels_last)
+
+
+def _fused(fast: Any) -> tuple[Any, Any]:
+    """The depthwise group and the group whose kernel runs it."""
+    groups = fast.report.groups
+    (dw,) = [g for g in groups if g.ops[0] == DEPTHWISE]
+    (mm,) = [g for g in groups if g.ops[0] in ("aten.addmm.default", "aten.mm.default")]
+    return dw, mm
+
+
+def test_the_depthwise_rows_run_inside_the_matmul_kernel() -> None:
+    torch.manual_seed(0)
+    m = _Tail(32, 32).eval()
+    x = _nhwc(2, 32, 15, 13)
+    fast = opfuse.compile(m, (x,), options=FUSED)
+    for inp in (x, _nhwc(2, 32, 15, 13)):
+        assert_matches_eager(m, fast(inp), (inp,))
+    dw, mm = _fused(fast)
+    assert dw.kernel == f"(in group {mm.id})" and dw.implementation.startswith("inside group")
+    assert dw.ops == [DEPTHWISE, "aten.hardtanh.default"]
+    assert mm.ops == ["aten.addmm.default", "aten.add.Tensor"]  # the residual in its epilogue
+    assert mm.implementation.startswith("opfuse-dw-gemm"), mm.implementation
+    assert "opfuse_dw_gemm" in mm.kernel and "opfuse_gemm_tile(atile" in mm.source_code
+    assert fast.report.kernels_after == 1  # one launch for the depthwise, ReLU6, 1x1 and add
+    assert "depthwise_rows" in dw.intermediates_saved  # the rows never reach memory
+    assert not fast.report.rejected  # (the partition kept them apart; the kernel did not)
+
+
+def test_the_tuner_times_the_pair_against_the_groups_apart() -> None:
+    torch.manual_seed(1)
+    m = _Tail(48, 24, residual=False).eval()
+    x = _nhwc(1, 48, 14, 14)
+    fast = opfuse.compile(m, (x,))
+    assert_matches_eager(m, fast(x), (x,))
+    dw, mm = _fused(fast)
+    if dw.kernel.startswith("(in group"):  # the pair won: both times are in the report
+        assert "opfuse-dw-gemm " in mm.implementation and "separate " in mm.implementation
+    else:  # apart: each group as it was chosen
+        assert not mm.implementation.startswith("opfuse-dw-gemm")
+    again = opfuse.compile(m, (x,))  # the decision is remembered
+    assert _fused(again)[0].kernel == dw.kernel
+    assert_matches_eager(m, again(x), (x,))
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"act": False},  # the depthwise rows go to the matmul as they are
+        {"bias": False, "residual": False},  # the matmul's tile is the output itself
+        {"stride": 2},
+        {"k": 5, "dil": 2},
+        {"k": 7},
+    ],
+)
+def test_shapes_and_epilogues(kw: dict[str, Any]) -> None:
+    torch.manual_seed(2)
+    m = _Tail(20, 40, **kw).eval()  # 20 channels: the scalar tail; 40 columns: a part panel
+    x = _nhwc(3, 20, 11, 9)
+    fast = opfuse.compile(m, (x,), options=FUSED)
+    assert_matches_eager(m, fast(x), (x,))
+    dw, mm = _fused(fast)
+    assert dw.kernel == f"(in group {mm.id})"
+
+
+class _Shared(nn.Module):
+    """The depthwise rows also returned, or read by a second matmul."""
+
+    def __init__(self, returned: bool) -> None:
+        super().__init__()
+        self.dw = nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.a = nn.Conv2d(16, 8, 1)
+        self.b = nn.Conv2d(16, 8, 1)
+        self.returned = returned
+
+    def forward(self, x: torch.Tensor) -> Any:
+        y = F.relu(self.dw(x))
+        return (self.a(y), y) if self.returned else self.a(y) + self.b(y)
+
+
+class _Scaled(nn.Module):
+    """The depthwise epilogue reads a tensor of its own (a per-channel scale)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dw = nn.Conv2d(24, 24, 3, padding=1, groups=24)
+        self.scale = nn.Parameter(torch.rand(24, 1, 1) + 0.5)
+        self.pw = nn.Conv2d(24, 24, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.pw(F.silu(self.dw(x)) * self.scale) + x
+
+
+def test_a_depthwise_epilogue_with_inputs_of_its_own() -> None:
+    torch.manual_seed(4)
+    m = _Scaled().eval()
+    x = _nhwc(2, 24, 10, 7)
+    fast = opfuse.compile(m, (x,), options=FUSED)
+    assert_matches_eager(m, fast(x), (x,))
+    dw, mm = _fused(fast)
+    assert dw.kernel == f"(in group {mm.id})" and "aten.mul.Tensor" in dw.ops
+
+
+@pytest.mark.parametrize("returned", [True, False])
+def test_rows_read_by_others_keep_the_groups_apart(returned: bool) -> None:
+    torch.manual_seed(3)
+    m = _Shared(returned).eval()
+    x = _nhwc(2, 16, 9, 9)
+    fast = opfuse.compile(m, (x,), options=FUSED)
+    assert_matches_eager(m, fast(x), (x,))
+    assert not any(g.kernel.startswith("(in group") for g in fast.report.groups)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(1, 2),
+    c=st.integers(1, 40),
+    oc=st.integers(1, 70),
+    h=st.integers(1, 12),
+    w=st.integers(1, 12),
+    k=st.sampled_from([1, 3, 5]),
+    stride=st.integers(1, 2),
+    act=st.booleans(),
+    bias=st.booleans(),
+)
+def test_any_shape_matches_eager(
+    n: int, c: int, oc: int, h: int, w: int, k: int, stride: int, act: bool, bias: bool
+) -> None:
+    torch.manual_seed(n * 1000 + c * 10 + oc)
+    m = _Tail(c, oc, k, stride, 1, act, bias).eval()
+    x = _nhwc(n, c, h, w)
+    fast = opfuse.compile(m, (x,), options=FUSED)
+    assert_matches_eager(m, fast(x), (x,))
