@@ -35,7 +35,6 @@ from .ir.graph import CONSTANT, INPUT, Graph, GraphBuilder, Node, TensorMeta
 from .ir.ops import Kind, info
 from .ir.size import symbolic_text
 from .ir.uses import used_outside
-from .lower.dw_gemm import NAME
 from .runtime.execute import Runtime
 from .runtime.heap import release_freed_memory
 from .runtime.plan import Absorbed, Built, BuiltCall, build_plan
@@ -404,8 +403,10 @@ def tune(
                 # The heap the timing freed (inputs, outputs, losers) goes back to the OS
                 # now: glibc keeps it resident, and the next group's peak would stack on it.
                 release_freed_memory()
-    for (gid, name), producer in module.absorbs.items():
-        _pair(graph, part, module, (producer, gid, name), built, decisions, force, noise)
+    # the candidates doing the work of groups before theirs: pairs first, then triples
+    # (which are timed against what the pairs decided)
+    for (gid, name), producers in sorted(module.absorbs.items(), key=lambda kv: len(kv[1])):
+        _pair(graph, part, module, (producers, gid, name), built, decisions, force, noise)
     return built, decisions
 
 
@@ -413,72 +414,74 @@ def _pair(
     graph: Graph,
     part: Partition,
     module: Module,
-    pair: tuple[int, int, str],
+    job: tuple[tuple[int, ...], int, str],
     built: dict[int, Built],
     decisions: dict[int, Decision],
     force: str | None,
     noise: Noise,
 ) -> None:
-    """Run groups `first` and `second` as candidate `name` of the second, which does the
-    work of both (lower/dw_gemm.py), when that is forced or measures faster than the two
+    """Run groups `producers` and `last` as candidate `name` of the last, which does the
+    work of all (lower/dw_gemm.py), when that is forced or measures faster than the groups
     as each was chosen to run."""
-    first, second, name = pair
+    producers, last, name = job
     if force is not None and force != name:
         return  # another implementation forced: the groups run as forced
     try:
-        fused = module.candidates[second][name]()
+        fused = module.candidates[last][name]()
     except Unavailable:
         return
     if fused is None:
         return
+    ids = [*producers, last]
     if force == name:
         d = Decision(name, {})
     else:
         groups = {g.id: g for g in part.groups}
-        chosen = [decisions[i].choice if i in decisions else "only" for i in (first, second)]
+        chosen = [decisions[i].choice if i in decisions else "only" for i in ids]
         with symbolic_text():
-            io = [*_io_signature(graph, groups[first]), *_io_signature(graph, groups[second])]
-        sigs = [*module.signatures.get(first, []), *module.signatures.get(second, [])]
+            io = [x for i in ids for x in _io_signature(graph, groups[i])]
+        sigs = [x for i in ids for x in module.signatures.get(i, [])]
         key = decision_key(["pair", name, *sigs, *io, *chosen])
         remembered = load_decision(key)
         if remembered is not None:
             d = remembered
         else:
-            g1, g2 = groups[first], groups[second]
-            d = _time_pair(graph, (g1, g2), (built.get(first), built.get(second), fused), noise)
+            d = _time_pair(
+                graph, [groups[i] for i in ids], [built.get(i) for i in ids], fused, noise
+            )
             save_decision(key, d)
     if d.choice == name:
-        built[second], built[first] = fused, Absorbed(second)
-        decisions[second] = d
+        built[last] = fused
+        for p in producers:
+            built[p] = Absorbed(last)
+        decisions[last] = d
 
 
 def _time_pair(
-    graph: Graph, groups: tuple[Group, Group], runs: tuple[Any, Any, Any], noise: Noise
+    graph: Graph, groups: list[Group], chosen: list[Any], fused: Any, noise: Noise
 ) -> Decision:
-    """Time the two groups as chosen ("separate") against the candidate that does both."""
-    g1, g2 = groups
-    b1, b2, fused = runs
-    sub, externals = subgraph(graph, [*g1.nodes, *g2.nodes])
+    """Time the groups as chosen ("separate") against the candidate that does them all."""
+    members = [n for g in groups for n in g.nodes]
+    sub, externals = subgraph(graph, members)
     by_name = {n.name: n for n in sub.nodes}
 
     def copy(i: int, g: Group, nodes: list[Node]) -> Group:
         anchor = by_name[g.anchor.name] if g.anchor else None
         return Group(i, [by_name[n.name] for n in nodes], g.pattern, anchor)
 
-    both = Partition([copy(0, g2, [*g1.nodes, *g2.nodes])])
-    apart = Partition([copy(0, g1, g1.nodes), copy(1, g2, g2.nodes)])
-    chosen = {i: b for i, b in enumerate((b1, b2)) if b is not None}
+    one = Partition([copy(0, groups[-1], members)])
+    apart = Partition([copy(i, g, g.nodes) for i, g in enumerate(groups)])
+    runs = {i: b for i, b in enumerate(chosen) if b is not None}
     inputs = [noise.like(n.tensor) for n in externals]
+    name = fused.kernel.implementation
     runners = {
-        NAME: functools.partial(Runtime(build_plan(sub, both, {0: fused}), guards=False), inputs),
-        "separate": functools.partial(
-            Runtime(build_plan(sub, apart, chosen), guards=False), inputs
-        ),
+        name: functools.partial(Runtime(build_plan(sub, one, {0: fused}), guards=False), inputs),
+        "separate": functools.partial(Runtime(build_plan(sub, apart, runs), guards=False), inputs),
     }
-    # Timed alone, the rows the separate groups pass between them stay in cache; inside a
-    # model they make their round trip to memory: the fused candidate wins by a margin.
-    rows = g1.nodes[-1].tensor.nbytes
-    flattered = frozenset({"separate"}) if rows <= _cache_bytes() // 2 else frozenset()
+    # Timed alone, the values the separate groups pass between them stay in cache; inside
+    # a model they make their round trip to memory: the fused candidate wins by a margin.
+    passed = max(g.nodes[-1].tensor.nbytes for g in groups[:-1])
+    flattered = frozenset({"separate"}) if passed <= _cache_bytes() // 2 else frozenset()
     seconds = time_candidates(runners, done=functools.partial(settled, flattered=flattered))
     del runners, inputs
     release_freed_memory()

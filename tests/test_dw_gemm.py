@@ -1,6 +1,7 @@
 """A depthwise convolution's rows fed straight into the 1x1 convolution's matmul that reads
-them (lower/dw_gemm.py): one kernel for both groups, timed against the two run apart;
-every shape matches eager; rows anyone else reads keep the groups apart."""
+them (lower/dw_gemm.py): one kernel for both groups, timed against the two run apart; with
+the expansion before it, one kernel for MobileNet's inverted residual block; every shape
+matches eager; values anyone else reads keep the groups apart."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from opfuse.rewrite.conv_rows import DEPTHWISE
 from tests.conftest import assert_matches_eager
 
 FUSED = opfuse.Options(implementation="opfuse-dw-gemm")
+BLOCK = opfuse.Options(implementation="opfuse-expand-dw-gemm")
 
 
 class _Tail(nn.Module):
@@ -181,4 +183,104 @@ def test_any_shape_matches_eager(
     m = _Tail(c, oc, k, stride, 1, act, bias).eval()
     x = _nhwc(n, c, h, w)
     fast = opfuse.compile(m, (x,), options=FUSED)
+    assert_matches_eager(m, fast(x), (x,))
+
+
+class _Inverted(nn.Module):
+    """MobileNetV2's inverted residual block: 1x1 expansion, depthwise, 1x1 projection."""
+
+    def __init__(
+        self, c: int, t: int, oc: int, k: int = 3, stride: int = 1, dil: int = 1, act: Any = None
+    ) -> None:
+        super().__init__()
+        hid = c * t
+        self.expand = nn.Conv2d(c, hid, 1)
+        self.tail = _Tail(hid, oc, k, stride, dil, residual=False)
+        self.act = act or F.relu6
+        self.residual = c == oc and stride == 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tail(self.act(self.expand(x)))
+        return y + x if self.residual else y
+
+
+def _block(fast: Any) -> Any:
+    """The group whose kernel runs the whole block; the two before it run inside it."""
+    groups = fast.report.groups
+    (last,) = [g for g in groups if not g.kernel.startswith("(in group")]
+    inside = [g for g in groups if g.kernel == f"(in group {last.id})"]
+    assert len(inside) == 2, [g.kernel for g in groups]
+    return last
+
+
+def test_an_inverted_residual_block_runs_as_one_kernel() -> None:
+    torch.manual_seed(5)
+    m = _Inverted(16, 6, 16).eval()
+    x = _nhwc(2, 16, 15, 13)
+    fast = opfuse.compile(m, (x,), options=BLOCK)
+    for inp in (x, _nhwc(2, 16, 15, 13)):
+        assert_matches_eager(m, fast(inp), (inp,))
+    last = _block(fast)
+    assert last.implementation.startswith("opfuse-expand-dw-gemm"), last.implementation
+    assert last.ops[:2] == ["aten.addmm.default", "aten.add.Tensor"]
+    assert "expansion, then depthwise" in last.source_code
+    assert fast.report.kernels_after == 1 and not fast.report.rejected
+    # measured against the groups as chosen (with the depthwise and projection paired)
+    tuned = opfuse.compile(m, (x,))
+    assert_matches_eager(m, tuned(x), (x,))
+    g = [g for g in tuned.report.groups if not g.kernel.startswith("(in group")][-1]
+    if g.implementation.startswith("opfuse-expand-dw-gemm"):
+        assert "separate " in g.implementation
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"stride": 2},  # bands of two input rows per output row
+        {"k": 5, "dil": 2},  # windows reaching four rows past the band
+        {"act": F.silu},
+        {"act": F.hardswish, "k": 7},
+    ],
+)
+def test_blocks_of_every_shape(kw: dict[str, Any]) -> None:
+    torch.manual_seed(6)
+    m = _Inverted(8, 3, 12, **kw).eval()  # 24 channels: a part vector; 12 columns
+    x = _nhwc(3, 8, 17, 11)
+    fast = opfuse.compile(m, (x,), options=BLOCK)
+    assert_matches_eager(m, fast(x), (x,))
+    _block(fast)
+
+
+def test_an_expansion_read_by_others_keeps_the_pair_only() -> None:
+    class _Both(_Inverted):
+        def forward(self, x: torch.Tensor) -> Any:
+            e = F.relu6(self.expand(x))
+            return self.tail(e), e.mean()
+
+    torch.manual_seed(7)
+    m = _Both(8, 2, 8).eval()
+    x = _nhwc(1, 8, 9, 9)
+    fast = opfuse.compile(m, (x,), options=BLOCK)
+    assert_matches_eager(m, fast(x), (x,))
+    assert not any(g.implementation.startswith("opfuse-expand") for g in fast.report.groups)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    n=st.integers(1, 3),
+    c=st.integers(1, 12),
+    t=st.integers(1, 6),
+    oc=st.integers(1, 40),
+    h=st.integers(1, 14),
+    w=st.integers(1, 14),
+    k=st.sampled_from([1, 3, 5]),
+    stride=st.integers(1, 2),
+)
+def test_any_block_matches_eager(
+    n: int, c: int, t: int, oc: int, h: int, w: int, k: int, stride: int
+) -> None:
+    torch.manual_seed(n * 1000 + c * 100 + oc)
+    m = _Inverted(c, t, oc, k, stride).eval()
+    x = _nhwc(n, c, h, w)
+    fast = opfuse.compile(m, (x,), options=BLOCK)
     assert_matches_eager(m, fast(x), (x,))

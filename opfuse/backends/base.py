@@ -51,9 +51,10 @@ class Module:
     signatures: dict[int, list[str]] = field(default_factory=dict)
     cached: bool = True
     problem: str = ""  # why nothing was built (the compiler failed)
-    # (group, candidate) -> the group before it whose work that candidate does too (a
-    # depthwise convolution feeding a matmul: lower/dw_gemm.py); the tuner times the pair
-    absorbs: dict[tuple[int, str], int] = field(default_factory=dict)
+    # (group, candidate) -> the groups before it whose work that candidate does too (a
+    # depthwise convolution feeding a matmul, and the matmul before it: lower/dw_gemm.py);
+    # the tuner times them together
+    absorbs: dict[tuple[int, str], tuple[int, ...]] = field(default_factory=dict)
 
 
 def cache_dir() -> Path:

@@ -38,30 +38,53 @@ from .lowering import NotFusable
 # Floats of one tile: the depthwise result, its epilogue's output and the GEMM's result
 # (rows x (2 C + N)); with the input rows the depthwise kernel reads, it stays in L2.
 TILE_FLOATS = 1 << 15
+# Floats of one band where the expansion is fused too: its rows, then the tile's.
+BAND_FLOATS = 1 << 17
 NAME = "opfuse-dw-gemm"
+NAME3 = "opfuse-expand-dw-gemm"
 
 
 @dataclass(frozen=True)
 class DwGemmKernel:
     """Tiles of depthwise rows, their epilogue, and the matmul reading them with its
     epilogue. `dw.epilogue` stores the rows the matmul reads (`rows_value`) into the tile
-    (`store_in_tile`); `gemm` tiles every column at once, `tile_m` rows at a time."""
+    (`store_in_tile`); `gemm` tiles every column at once, `tile_m` rows at a time.
+
+    With `expand` (the 1x1 convolution's matmul whose result the depthwise convolution
+    reads, `expanded_value`), tiles are bands of `band` output rows of one image: each
+    computes the input rows its windows reach (a band's edge rows twice, once for each
+    band) with that matmul and its epilogue, in cache, then the depthwise rows from them."""
 
     name: str
     ops: tuple[str, ...]
     dw: DepthwiseKernel
     gemm: GemmKernel
     rows_value: str  # the depthwise group's output the matmul reads: never stored
-    producer: int  # the depthwise group's id
+    producers: tuple[int, ...]  # the groups whose work it does too, first to last
     tile_m: int
     threads: int
+    expand: GemmKernel | None = None
+    expanded_value: str = ""  # the expansion's output the depthwise reads: never stored
+    band: int = 0
 
-    implementation = NAME
+    @property
+    def implementation(self) -> str:
+        return NAME3 if self.expand is not None else NAME
 
     @property
     def input(self) -> Node:
-        """The depthwise convolution's input, the tensor the plan hands over."""
-        return self.dw.input
+        """The tensor the plan hands over: the expansion's input, or the depthwise one's."""
+        return self.expand.spec.a.node if self.expand is not None else self.dw.input
+
+    @property
+    def expand_buffers(self) -> list[Buffer]:
+        """The expansion epilogue's buffers the kernel takes: all but its result and its
+        output (the rows it stores in the band)."""
+        e = self.expand
+        if e is None:
+            return []
+        skip = (e.gemm_buffer, self.expanded_value)
+        return [b for b in e.epilogue.buffers if b.name not in skip and b.value not in skip]
 
     @property
     def dw_buffers(self) -> list[Buffer]:
@@ -79,9 +102,10 @@ class DwGemmKernel:
 
     @property
     def epilogue(self) -> Kernel:
-        """The buffers both epilogues take, in argument order (the depthwise one's, then
-        the GEMM's), renamed apart: what the plan binds."""
-        bufs = [replace(b, name="d_" + b.name) for b in self.dw_buffers]
+        """The buffers the epilogues take, in argument order (the expansion's, the
+        depthwise one's, the GEMM's), renamed apart: what the plan binds."""
+        bufs = [replace(b, name="e_" + b.name) for b in self.expand_buffers]
+        bufs += [replace(b, name="d_" + b.name) for b in self.dw_buffers]
         bufs += [replace(b, name="g_" + b.name) for b in self.gemm.epilogue.buffers]
         e = self.gemm.epilogue
         return Kernel(self.name, self.ops, tuple(bufs), e.outer, e.inner, ())
@@ -91,15 +115,30 @@ class DwGemmKernel:
         return self.dw.rows
 
     @property
+    def tasks(self) -> int:
+        """Tiles, or bands of output rows (n images x bands each)."""
+        g = self.dw.geometry
+        if self.expand is not None:
+            return g.n * -(-g.oh // self.band)
+        return -(-self.rows // self.tile_m)
+
+    @property
+    def band_rows(self) -> int:
+        """The most input rows a band's windows reach."""
+        g = self.dw.geometry
+        return min(g.h, (self.band - 1) * g.sh + (g.kh - 1) * g.dh + 1)
+
+    @property
     def slots(self) -> int:
-        return tile_slots(-(-self.rows // self.tile_m), self.threads)
+        return tile_slots(self.tasks, self.threads)
 
     @property
     def slot_floats(self) -> int:
-        """A thread's scratch: the depthwise result, the rows its epilogue makes, the GEMM's
-        result, each tile_m rows."""
+        """A thread's scratch: [the expansion's rows,] the depthwise result, the rows its
+        epilogue makes, the GEMM's result, each tile_m rows."""
         g = self.dw.geometry
-        return self.tile_m * (2 * g.c + self.gemm.spec.n)
+        expanded = self.band_rows * g.w * g.c if self.expand is not None else 0
+        return expanded + self.tile_m * (2 * g.c + self.gemm.spec.n)
 
     @property
     def scratch_bytes(self) -> int:
@@ -110,7 +149,8 @@ def pair_depthwise_gemms(
     graph: Graph, part: Partition, candidates: Mapping[int, dict[str, Any]], threads: int
 ) -> None:
     """Add the fused candidate to each matmul group that reads a depthwise group's rows as
-    its A operand, and is the only reader of them."""
+    its A operand, and is the only reader of them; and, where the depthwise convolution
+    reads a 1x1 convolution's matmul group's result (alone), the candidate doing all three."""
     owner = part.group_of()
     for g in part.groups:
         cands = candidates.get(g.id, {})
@@ -128,7 +168,21 @@ def pair_depthwise_gemms(
         if not isinstance(dk, DepthwiseKernel):
             continue
         try:
-            cands[NAME] = _fuse(graph, g.anchor, g.nodes, s, dk, rows, producer.id, threads)
+            pair = _fuse(graph, g.anchor, g.nodes, s, dk, rows, producer.id, threads)
+        except NotFusable:
+            continue
+        cands[NAME] = pair
+        expanded = _view_base(dk.input)
+        first = owner.get(expanded)
+        if first is None or first.anchor is None:
+            continue
+        ek = candidates.get(first.id, {}).get("opfuse-gemm")
+        if not isinstance(ek, GemmKernel):
+            continue
+        try:
+            cands[NAME3] = _expand(
+                graph, first.anchor, first.nodes, ek, pair, (expanded, producer.anchor), first.id
+            )
         except NotFusable:
             continue
 
@@ -162,9 +216,55 @@ def _fuse(
         dw=replace(dk, epilogue=epi),
         gemm=gk,
         rows_value=rows.name,
-        producer=producer,
+        producers=(producer,),
         tile_m=tm,
         threads=threads,
+    )
+
+
+def _expand(
+    graph: Graph,
+    anchor: Node,
+    members: list[Node],
+    ek: GemmKernel,
+    pair: DwGemmKernel,
+    reads: tuple[Node, Node],
+    producer: int,
+) -> DwGemmKernel:
+    """The pair with the expansion before it (MobileNet's inverted residual block);
+    `reads`: the expansion's result, and the depthwise convolution reading it."""
+    expanded, dw_anchor = reads
+    g, s = pair.dw.geometry, ek.spec
+    if s.kind == "bmm" or s.batch != 1 or s.a.trans or not s.packable:
+        raise NotFusable("the expansion is no plain matmul with a frozen weight")
+    if (s.m, s.n) != (g.n * g.h * g.w, g.c):
+        raise NotFusable("the expansion computes the depthwise input in another shape")
+    outs = [b for b in ek.epilogue.buffers if b.role == "out"]
+    if ek.in_place or len(outs) != 1 or outs[0].value != expanded.name:
+        raise NotFusable("the expansion's epilogue stores other values")
+    if not _read_only_by(graph, expanded, dw_anchor):
+        raise NotFusable("the expansion's result is read by others too")
+    threads = pair.threads
+    band = max(1, min(g.oh, -(-g.n * g.oh // threads)))  # a band per thread at least
+
+    def floats(b: int) -> int:
+        reach = min(g.h, (b - 1) * g.sh + (g.kh - 1) * g.dh + 1)
+        return reach * g.w * g.c + b * g.ow * (2 * g.c + pair.gemm.spec.n)
+
+    while band > 1 and floats(band) > BAND_FLOATS:
+        band -= 1
+    tm = band * g.ow
+    e = own_gemm(lower_blocked(graph, anchor, members, threads, tile=(tm, g.c)))
+    e = replace(e, epilogue=store_in_tile(e.epilogue, outs[0].name, g.c))
+    return replace(
+        pair,
+        name=e.name + "_" + pair.name.removeprefix("fused_"),
+        ops=(*e.ops, *pair.ops),
+        producers=(producer, *pair.producers),
+        tile_m=tm,
+        expand=e,
+        expanded_value=expanded.name,
+        band=band,
     )
 
 

@@ -69,6 +69,7 @@ IMPLEMENTATIONS = (
     "opfuse-gemm",
     "opfuse-dw",
     "opfuse-dw-gemm",
+    "opfuse-expand-dw-gemm",
     "onednn",
     "onednn-nhwc",
     "mkl",

@@ -130,14 +130,15 @@ def make_report(
 def _joined(part: Partition, built: Mapping[int, Built]) -> set[tuple[str, str]]:
     """(producer, consumer) node names the partition kept apart that one kernel runs
     after all (a group absorbed into another's kernel)."""
-    by_id = {g.id: g for g in part.groups}
-    out: set[tuple[str, str]] = set()
+    kernel: dict[int, list[str]] = {}  # the group whose kernel runs them -> node names
     for g in part.groups:
         b = built.get(g.id)
         if isinstance(b, Absorbed):
-            into = [n.name for n in by_id[b.into].nodes]
-            out.update((n.name, m) for n in g.nodes for m in into)
-    return out
+            kernel.setdefault(b.into, []).extend(n.name for n in g.nodes)
+    for g in part.groups:
+        if g.id in kernel:
+            kernel[g.id].extend(n.name for n in g.nodes)
+    return {(a, b) for names in kernel.values() for a in names for b in names}
 
 
 def _labels(graph: Graph) -> Callable[[str], str]:

@@ -17,6 +17,7 @@ import torch
 from ...lower.depthwise import DepthwiseKernel
 from ...lower.dw_gemm import DwGemmKernel
 from ...lower.epilogue import TILE_COL, TILE_ROW
+from ...lower.kernel import Kernel
 from .emit import STORAGE
 from .gemm import tile_buffers, tile_epilogue
 
@@ -24,11 +25,13 @@ OWN_DEPTHWISE = r"""
 typedef float opfuse_dw_v16 __attribute__((vector_size(64)));
 
 /* np output pixels of row oh from column ow, channels c..c+15: np a constant where
-   inlined; `edge`: a window may leave the input (each tap checked). */
+   inlined; `edge`: a window may leave the input (each tap checked). xn holds the image's
+   rows from row0 on. */
 __attribute__((optimize("fp-contract=fast"), always_inline))
 static inline void opfuse_dw_block(const float *restrict xn, const opfuse_dw_v16 *wv,
                                    opfuse_dw_v16 b, float *restrict dst, int64_t ldc,
-                                   int64_t oh, int64_t ow, int np, int64_t c, int edge,
+                                   int64_t row0, int64_t oh, int64_t ow, int np, int64_t c,
+                                   int edge,
                                    int64_t H, int64_t W, int64_t C, int KH, int KW, int SH,
                                    int SW, int PH, int PW, int DH, int DW) {
   opfuse_dw_v16 acc[8];
@@ -38,7 +41,7 @@ static inline void opfuse_dw_block(const float *restrict xn, const opfuse_dw_v16
   for (int kh = 0; kh < KH; kh++) {
     const int64_t ih = oh * SH - PH + kh * DH;
     if (ih < 0 || ih >= H) continue;
-    const float *restrict xr = xn + ih * W * C + c;
+    const float *restrict xr = xn + (ih - row0) * W * C + c;
     #pragma GCC unroll 7
     for (int kw = 0; kw < KW; kw++) {
       #pragma GCC unroll 8
@@ -57,7 +60,8 @@ static inline void opfuse_dw_block(const float *restrict xn, const opfuse_dw_v16
 
 /* One channel past the last full 16 (C no multiple of 16), one pixel. */
 static inline float opfuse_dw_one(const float *restrict xn, const float *restrict wp,
-                                  float b, int64_t oh, int64_t ow, int64_t c, int64_t H,
+                                  float b, int64_t row0, int64_t oh, int64_t ow, int64_t c,
+                                  int64_t H,
                                   int64_t W, int64_t C, int KH, int KW, int SH, int SW, int PH,
                                   int PW, int DH, int DW) {
   float acc = b;
@@ -67,17 +71,21 @@ static inline float opfuse_dw_one(const float *restrict xn, const float *restric
     for (int kw = 0; kw < KW; kw++) {
       const int64_t iw = ow * SW - PW + kw * DW;
       if (iw < 0 || iw >= W) continue;
-      acc = __builtin_fmaf(xn[(ih * W + iw) * C + c], wp[(kh * KW + kw) * C + c], acc);
+      acc = __builtin_fmaf(xn[((ih - row0) * W + iw) * C + c], wp[(kh * KW + kw) * C + c],
+                           acc);
     }
   }
   return acc;
 }
 
 /* tile[r - r0][c] for output pixels r in [r0, r0 + rows) (n, oh, ow flattened) and every
-   channel; wp: the filters [KH * KW][C], then the bias [C]. */
+   channel; wp: the filters [KH * KW][C], then the bias [C]. Image n's rows from row0 on
+   start at x + n * xs (a whole input: xs = H * W * C, row0 = 0; the rows a fused kernel
+   computed for one image's band: xs = 0, row0 its first row). */
 __attribute__((optimize("fp-contract=fast"), always_inline))
-static inline void opfuse_dw_tile(const float *restrict x, const float *restrict wp,
-                                  float *restrict tile, int64_t ldc, int64_t r0, int64_t rows,
+static inline void opfuse_dw_tile(const float *restrict x, int64_t xs, int64_t row0,
+                                  const float *restrict wp, float *restrict tile, int64_t ldc,
+                                  int64_t r0, int64_t rows,
                                   int64_t H, int64_t W, int64_t C, int64_t OH, int64_t OW,
                                   int KH, int KW, int SH, int SW, int PH, int PW, int DH,
                                   int DW) {
@@ -91,7 +99,7 @@ static inline void opfuse_dw_tile(const float *restrict x, const float *restrict
   while (r < r1) {
     const int64_t n = r / (OH * OW), oh = (r / OW) % OH, ow0 = r % OW;
     const int64_t ow1 = ow0 + (OW - ow0 < r1 - r ? OW - ow0 : r1 - r);
-    const float *restrict xn = x + n * H * W * C;
+    const float *restrict xn = x + n * xs;
     float *restrict row = tile + (r - r0 - ow0) * ldc; /* + ow * ldc: pixel ow */
     int64_t c = 0;
     for (; c + 16 <= C; c += 16) {
@@ -100,8 +108,8 @@ static inline void opfuse_dw_tile(const float *restrict x, const float *restrict
       memcpy(&b, bias + c, 64);
       float *restrict dst = row + c;
 #define OPFUSE_DW(np, edge) \
-  opfuse_dw_block(xn, wv, b, dst + ow * ldc, ldc, oh, ow, np, c, edge, H, W, C, KH, KW, SH, \
-                  SW, PH, PW, DH, DW)
+  opfuse_dw_block(xn, wv, b, dst + ow * ldc, ldc, row0, oh, ow, np, c, edge, H, W, C, KH, KW, \
+                  SH, SW, PH, PW, DH, DW)
       int64_t ow = ow0;
       for (; ow < ow1 && ow < lo; ow++) OPFUSE_DW(1, 1);
       for (; ow + 8 <= ow1 && ow + 7 <= hi; ow += 8) OPFUSE_DW(8, 0);
@@ -112,8 +120,8 @@ static inline void opfuse_dw_tile(const float *restrict x, const float *restrict
     }
     for (; c < C; c++)
       for (int64_t ow = ow0; ow < ow1; ow++)
-        row[ow * ldc + c] = opfuse_dw_one(xn, wp, bias[c], oh, ow, c, H, W, C, KH, KW, SH, SW,
-                                          PH, PW, DH, DW);
+        row[ow * ldc + c] = opfuse_dw_one(xn, wp, bias[c], row0, oh, ow, c, H, W, C, KH, KW,
+                                          SH, SW, PH, PW, DH, DW);
     r += ow1 - ow0;
   }
 }
@@ -162,7 +170,8 @@ def render_depthwise(name: str, k: DepthwiseKernel) -> str:
     else:
         lines.append(f"    float *tile = {res} + {m0} * {c};")
     lines.append(
-        f"    opfuse_dw_tile(X, WP, tile, {c}, {m0}, mm, {g.h}, {g.w}, {c}, {g.oh}, {g.ow}, "
+        f"    opfuse_dw_tile(X, {g.h * g.w * c}, 0, WP, tile, {c}, {m0}, mm, {g.h}, {g.w}, "
+        f"{c}, {g.oh}, {g.ow}, "
         f"{g.kh}, {g.kw}, {g.sh}, {g.sw}, {g.ph}, {g.pw}, {g.dh}, {g.dw});"
     )
     if local:  # the epilogue over the tile; its loop variables are the rows' (i0, i1)
@@ -171,51 +180,85 @@ def render_depthwise(name: str, k: DepthwiseKernel) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render_dw_gemm(name: str, k: DwGemmKernel) -> str:
-    """C for a depthwise convolution feeding a matmul (lower/dw_gemm.py). Arguments: x,
-    the packed filters and bias followed by the matmul's packed panels, the depthwise
-    epilogue's inputs, the matmul epilogue's buffers (its result's is the scratch: per
-    thread, the depthwise tile, the rows the matmul reads, the matmul's tile), an unused
-    library address. Each epilogue's buffers are declared in a block of its own: their
-    names are their kernels' own."""
-    d, gk, g = k.dw, k.gemm, k.dw.geometry
-    c, n, tm, rows = g.c, gk.spec.n, k.tile_m, k.rows
-    first = 2 + len(k.dw_buffers)  # the matmul epilogue's first argument
+def render_dw_gemm(name: str, k: DwGemmKernel, project_floats: int) -> str:
+    """C for a depthwise convolution feeding a matmul (lower/dw_gemm.py), with or without
+    the expansion before it. Arguments: the input (the expansion's, or the depthwise
+    convolution's), the packed filters and bias followed by the matmul's packed panels
+    (`project_floats` of them) and the expansion's, the epilogues' inputs (the
+    expansion's, the depthwise one's), the matmul epilogue's buffers (its result's is the
+    scratch: per thread, [the expanded rows,] the depthwise tile, the rows the matmul
+    reads, the matmul's tile), an unused library address. Each epilogue's buffers are
+    declared in a block of its own: their names are their kernels' own."""
+    d, gk, g, e = k.dw, k.gemm, k.dw.geometry, k.expand
+    c, n, tm = g.c, gk.spec.n, k.tile_m
+    first = 2 + len(k.expand_buffers) + len(k.dw_buffers)  # the matmul epilogue's first
     scratch = first + [b.name for b in gk.epilogue.buffers].index(gk.gemm_buffer)
     m0, n0 = TILE_ROW, TILE_COL
+    what = f"depthwise {g.kh}x{g.kw}/{g.sh} over {g.n}x{g.h}x{g.w}x{c} NHWC, its rows @ {c}x{n}"
+    if e is not None:
+        what = f"{e.spec.m}x{c}x{e.spec.k} expansion, then {what}, bands of {k.band} rows"
     lines = [
         f"/* {k.name}: {', '.join(dict.fromkeys(k.ops))}",
-        f" * depthwise {g.kh}x{g.kw}/{g.sh} over {g.n}x{g.h}x{g.w}x{c} NHWC, its rows @ "
-        f"{c}x{n} (opfuse's GEMM), tiles of {tm} pixels; both epilogues in cache */",
+        f" * {what} (opfuse's GEMM), tiles of {tm} pixels; the epilogues in cache */",
         f"int {name}(void *const *args, int nthreads) {{",
         "  const float *restrict X = (const float *)args[0];",
         "  const float *restrict WP = (const float *)args[1];",
         f"  const float *restrict B = WP + {g.kh * g.kw * c + c};",
+        f"  const float *restrict BE = B + {project_floats};",
         f"  float *restrict scratch = (float *)args[{scratch}];",
         "  int err = 0;",
         f"  if (nthreads > {k.slots}) nthreads = {k.slots};",
         "  #pragma omp parallel for num_threads(nthreads) schedule(static)",
-        f"  for (int64_t tm = 0; tm < {-(-rows // tm)}; tm++) {{",
-        f"    const int64_t {m0} = tm * {tm}, {n0} = 0;",
-        f"    const int64_t mm = {rows} - {m0} < {tm} ? {rows} - {m0} : {tm};",
-        f"    float *dtile = scratch + (int64_t)omp_get_thread_num() * {k.slot_floats};",
+        f"  for (int64_t tm = 0; tm < {k.tasks}; tm++) {{",
+        f"    float *slot = scratch + (int64_t)omp_get_thread_num() * {k.slot_floats};",
+    ]
+    if e is None:
+        lines += [
+            f"    const int64_t {m0} = tm * {tm}, {n0} = 0;",
+            f"    const int64_t mm = {k.rows} - {m0} < {tm} ? {k.rows} - {m0} : {tm};",
+            "    const float *restrict xs = X;",
+            f"    const int64_t xstride = {g.h * g.w * c}, row0 = 0;",
+            "    float *dtile = slot;",
+        ]
+    else:
+        bands = -(-g.oh // k.band)
+        reach = f"(oh1 - 1) * {g.sh} - {g.ph} + {(g.kh - 1) * g.dh + 1}"
+        lines += [
+            f"    const int64_t n = tm / {bands}, oh0 = tm % {bands} * {k.band};",
+            f"    const int64_t oh1 = oh0 + {k.band} < {g.oh} ? oh0 + {k.band} : {g.oh};",
+            f"    const int64_t lo = oh0 * {g.sh} - {g.ph}, hi = {reach};",
+            f"    const int64_t row0 = lo < 0 ? 0 : lo, row1 = hi > {g.h} ? {g.h} : hi;",
+            "    const int64_t xstride = 0;",
+            "    float *xs = slot;",
+            "    {  /* the expansion: input rows [row0, row1) of image n, in the band */",
+            f"    const int64_t {m0} = (n * {g.h} + row0) * {g.w}, {n0} = 0;",
+            f"    const int64_t mm = (row1 - row0) * {g.w};",
+            f"    opfuse_gemm_tile(X + {m0} * {e.spec.a.ld}, {e.spec.a.ld}, BE, xs, {c}, (int)mm, "
+            f"{c}, {e.spec.k});",
+        ]
+        lines.append("    float *tile = xs;")
+        # the expansion's rows are stored over its GEMM's, in place
+        lines += _block_epilogue(e.epilogue, e.gemm_buffer, (k.expanded_value, "xs"), 2, c, True)
+        lines += [
+            "    }",
+            f"    const int64_t {m0} = (n * {g.oh} + oh0) * {g.ow}, {n0} = 0;",
+            f"    const int64_t mm = (oh1 - oh0) * {g.ow};",
+            f"    float *dtile = slot + {k.band_rows * g.w * c};",
+        ]
+    lines += [
         f"    float *atile = dtile + {tm * c}, *ctile = atile + {tm * c};",
-        f"    opfuse_dw_tile(X, WP, {'atile' if d.in_place else 'dtile'}, {c}, {m0}, mm, "
-        f"{g.h}, {g.w}, {c}, {g.oh}, {g.ow}, {g.kh}, {g.kw}, {g.sh}, {g.sw}, {g.ph}, {g.pw}, "
-        f"{g.dh}, {g.dw});",
+        f"    opfuse_dw_tile(xs, xstride, row0, WP, {'atile' if d.in_place else 'dtile'}, {c}, "
+        f"{m0}, mm, {g.h}, {g.w}, {c}, {g.oh}, {g.ow}, {g.kh}, {g.kw}, {g.sh}, {g.sw}, {g.ph}, "
+        f"{g.pw}, {g.dh}, {g.dw});",
     ]
     if not d.in_place:  # the depthwise epilogue: dtile -> the rows the matmul reads
-        rows_buf = next(b.name for b in d.epilogue.buffers if b.value == k.rows_value)
-        lines += ["    {", "    float *tile = dtile;", f"    float *{rows_buf} = atile;"]
-        for j, b in enumerate(k.dw_buffers):
-            t = STORAGE[b.dtype]
-            lines.append(f"    const {t} *restrict {b.name} = (const {t} *)args[{2 + j}];")
-        lines += tile_epilogue(d.epilogue, d.gemm_buffer, True, "i0", "i1", str(c))
+        lines += ["    {", "    float *tile = dtile;"]
+        first_dw = 2 + len(k.expand_buffers)
+        lines += _block_epilogue(d.epilogue, d.gemm_buffer, (k.rows_value, "atile"), first_dw, c)
         lines.append("    }")
     lines.append("    {")
-    lines += [
-        "  " + line for line in tile_buffers(gk.epilogue, gk.gemm_buffer, gk.in_place, first=first)
-    ]
+    buffers = tile_buffers(gk.epilogue, gk.gemm_buffer, gk.in_place, first=first)
+    lines += ["  " + line for line in buffers]
     out = f"{gk.gemm_buffer} + {m0} * {n}" if gk.in_place else "ctile"
     lines += [
         f"    float *tile = {out};",
@@ -225,3 +268,28 @@ def render_dw_gemm(name: str, k: DwGemmKernel) -> str:
     lines += tile_epilogue(gk.epilogue, gk.gemm_buffer, not gk.in_place, "i0", "i1", "nn")
     lines += ["    }", "  }", "  return err;", "}"]
     return "\n".join(lines) + "\n"
+
+
+def _block_epilogue(
+    epi: Kernel,
+    result: str,
+    stored: tuple[str, str],
+    first: int,
+    cols: int,
+    overwritten: bool = False,
+) -> list[str]:
+    """An epilogue inside the fused kernel: its inputs from args[first] on (all but its
+    result, read from `tile`), its one output, `stored` = (value, C pointer it is written
+    to: the store index rewritten by lower/dw_gemm.store_in_tile); `overwritten`: that
+    pointer is `tile`'s."""
+    value, into = stored
+    lines = []
+    j = first
+    for b in epi.buffers:
+        t = STORAGE[b.dtype]
+        if b.value == value and b.role == "out":
+            lines.append(f"    {t} *{b.name} = {into};")
+        elif b.name != result:
+            lines.append(f"    const {t} *restrict {b.name} = (const {t} *)args[{j}];")
+            j += 1
+    return lines + tile_epilogue(epi, result, True, "i0", "i1", str(cols), overwritten)

@@ -463,15 +463,23 @@ def tile_buffers(
 
 
 def tile_epilogue(
-    epi: Kernel, result: str, local: bool, mvar: str, nvar: str, cols: str
+    epi: Kernel,
+    result: str,
+    local: bool,
+    mvar: str,
+    nvar: str,
+    cols: str,
+    overwritten: bool = False,
 ) -> list[str]:
     """C for the epilogue over one tile: rows `mvar` from the tile's origin (TILE_ROW,
     `mm` of them), `cols` columns `nvar` from TILE_COL; `local`: the result is read from
-    the thread's slot, `tile`, at (row - m0) * tile_n + (col - n0) (lower_blocked)."""
+    the thread's slot, `tile`, at (row - m0) * tile_n + (col - n0) (lower_blocked);
+    `overwritten`: an output is stored over it in the tile (no restrict)."""
     m0, n0 = TILE_ROW, TILE_COL
     lines = [f"    for (int64_t {mvar} = {m0}; {mvar} < {m0} + mm; {mvar}++) {{"]
     if local:
-        lines.append(f"      const float *restrict {result} = tile;")
+        restrict = "" if overwritten else "restrict "
+        lines.append(f"      const float *{restrict}{result} = tile;")
     lines.append("      #pragma omp simd")
     lines.append(f"      for (int64_t {nvar} = {n0}; {nvar} < {n0} + {cols}; {nvar}++) {{")
     em = Emitter([{}], [0])

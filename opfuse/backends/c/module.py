@@ -78,7 +78,7 @@ def _name(lowered: Lowered, tag: str) -> _Named:
                 out.names[(gid, cname)] = name
                 out.depthwise.append((name, c))
             elif isinstance(c, DwGemmKernel):
-                name = f"{tag}{c.name}_opfuse_dw_gemm_{gid}"
+                name = f"{tag}{c.name}_{c.implementation.replace('-', '_')}_{gid}"
                 out.names[(gid, cname)] = name
                 out.dw_gemms.append((name, c))
             elif isinstance(c, GemmKernel):
@@ -184,7 +184,10 @@ def _render(named: Sequence[_Named], symbolic: bool) -> tuple[dict[str, str], di
         tiled: list[tuple[str, GemmKernel | DepthwiseKernel | DwGemmKernel, Callable[[], str]]]
         tiled = [(n, g, functools.partial(render_gemm, n, g, o)) for n, g, o in nm.gemms]
         tiled += [(n, d, functools.partial(render_depthwise, n, d)) for n, d in nm.depthwise]
-        tiled += [(n, d, functools.partial(render_dw_gemm, n, d)) for n, d in nm.dw_gemms]
+        tiled += [
+            (n, d, functools.partial(render_dw_gemm, n, d, own_layout(d.gemm)[1]))
+            for n, d in nm.dw_gemms
+        ]
         for n, g, text in tiled:
             rendered[n], sized[n] = (
                 _sized(n, text, 3 + len(g.epilogue.buffers)) if symbolic else (text(), ())
@@ -242,7 +245,7 @@ def _bind(
                 makers[cname] = functools.partial(_make_depthwise, graph, c, lib.fn(name), sizes)
             elif isinstance(c, DwGemmKernel):
                 makers[cname] = functools.partial(_make_dw_gemm, graph, c, lib.fn(name), sizes)
-                mod.absorbs[(gid, cname)] = c.producer
+                mod.absorbs[(gid, cname)] = c.producers
             elif isinstance(c, GemmKernel) and c.own:
                 makers[cname] = functools.partial(_make_own_gemm, graph, c, lib.fn(name), sizes)
             elif isinstance(c, GemmKernel) and b is not None:
@@ -321,12 +324,15 @@ def _make_depthwise(
 
 def _make_dw_gemm(graph: Graph, k: DwGemmKernel, fn: Any, sizes: tuple[int, ...] = ()) -> Built:
     """A depthwise convolution feeding a matmul: the filters and bias packed as the
-    depthwise kernel reads them, then the matmul's weight as opfuse's GEMM does."""
+    depthwise kernel reads them, then the matmul's weight as opfuse's GEMM does (and the
+    expansion's, where the kernel computes the depthwise input too)."""
     weight = _const(graph, k.dw.weight)
     bias = _const(graph, k.dw.bias)
     assert weight is not None and (bias is not None or k.dw.bias is None)
-    packed = torch.cat([pack_filters(weight, bias), OwnPack.of(k.gemm)(_weight(graph, k.gemm))])
-    return BuiltGemm(k, fn, packed, 0, sizes=sizes)
+    parts = [pack_filters(weight, bias), OwnPack.of(k.gemm)(_weight(graph, k.gemm))]
+    if k.expand is not None:  # (the expansion's weight after the matmul's)
+        parts.append(OwnPack.of(k.expand)(_weight(graph, k.expand)))
+    return BuiltGemm(k, fn, torch.cat(parts), 0, sizes=sizes)
 
 
 def _weight(graph: Graph, k: GemmKernel) -> torch.Tensor:
