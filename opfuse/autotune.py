@@ -426,6 +426,12 @@ def _pair(
     producers, last, name = job
     if force is not None and force != name:
         return  # another implementation forced: the groups run as forced
+    for p in producers:
+        b = built.get(p)
+        if isinstance(b, Absorbed) and b.into != last:
+            return  # another kernel does this group's work already
+        if any(isinstance(o, Absorbed) and o.into == p for o in built.values()):
+            return  # its kernel does other groups' work too (a chain of blocks: one each)
     try:
         fused = module.candidates[last][name]()
     except Unavailable:

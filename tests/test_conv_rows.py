@@ -329,3 +329,34 @@ def test_padding_valid_and_same() -> None:
     fast = opfuse.compile(m, (x,))
     assert len(_depthwise_groups(fast)) == 2 and not fast.report.warnings
     assert_matches_eager(m, fast(x), (x,))
+
+
+class _TfPadded(nn.Module):
+    """Hugging Face's MobileNets pad for TensorFlow's "same": zeros on one side more than
+    the other before a strided depthwise convolution, a padding of nothing before a 1x1."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 16, 3, padding=1)
+        self.dw = nn.Conv2d(16, 16, 3, 2, groups=16)
+        self.pw = nn.Conv2d(16, 8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.dw(F.pad(torch.relu(self.stem(x)), (0, 1, 0, 1)))
+        return self.pw(F.pad(F.relu6(y), (0, 0, 0, 0)))
+
+
+@pytest.mark.parametrize("impl", [None, "opfuse-dw", "torch", "opfuse-dw-gemm"])
+def test_zero_padding_before_a_convolution_is_its_own(impl: str | None) -> None:
+    torch.manual_seed(13)
+    m = _TfPadded().eval()
+    x = torch.randn(2, 3, 13, 12)
+    fast = opfuse.compile(m, (x,), options=opfuse.Options(implementation=impl))
+    assert_matches_eager(m, fast(x), (x,))
+    notes = fast.report.conv_rows
+    assert len(notes) == 2 and all("zero padding before it folded in" in n for n in notes)
+    ops = {op for g in fast.report.groups for op in g.ops}
+    assert "aten.constant_pad_nd.default" not in ops  # no copy made for either pad
+    (g,) = _depthwise_groups(fast)
+    # oneDNN's convolution pads both sides alike: no candidate for these rows
+    assert "onednn " not in g.implementation

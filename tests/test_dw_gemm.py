@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import opfuse
 from opfuse.rewrite.conv_rows import DEPTHWISE
+from opfuse.runtime.execute import TorchStep
 from tests.conftest import assert_matches_eager
 
 FUSED = opfuse.Options(implementation="opfuse-dw-gemm")
@@ -284,3 +285,39 @@ def test_any_block_matches_eager(
     x = _nhwc(n, c, h, w)
     fast = opfuse.compile(m, (x,), options=BLOCK)
     assert_matches_eager(m, fast(x), (x,))
+
+
+class _Chain(nn.Module):
+    """MobileNetV1: depthwise and 1x1 convolutions in turn. Each 1x1 is both a pair's
+    projection and the next triple's expansion: a group's work is done once, by one kernel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for c in (8, 16, 16):
+            layers += [nn.Conv2d(c, c, 3, padding=1, groups=c), nn.ReLU6()]
+            layers += [nn.Conv2d(c, 16, 1), nn.ReLU6()]
+        self.body = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+@pytest.mark.parametrize("options", [BLOCK, FUSED, None])
+def test_a_chain_of_blocks_runs_each_group_once(options: Any) -> None:
+    torch.manual_seed(8)
+    m = _Chain().eval()
+    x = _nhwc(2, 8, 12, 10)
+    fast = opfuse.compile(m, (x,), options=options)
+    assert_matches_eager(m, fast(x), (x,))
+    groups = {g.id: g for g in fast.report.groups}
+    for g in groups.values():
+        if g.kernel.startswith("(in group"):
+            into = groups[int(g.kernel.split()[-1].rstrip(")"))]
+            assert not into.kernel.startswith("(in group"), (g.kernel, into.kernel)
+    # nothing a kernel was to compute left to torch: every step is a kernel of a group
+    steps = fast._first.compiled.run.plan.steps  # type: ignore[attr-defined]
+    assert not any(isinstance(s, TorchStep) and "depthwise" in s.name for s in steps)
+    assert fast.report.kernels_after == sum(
+        1 for g in groups.values() if not g.kernel.startswith("(in group")
+    )

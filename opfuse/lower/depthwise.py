@@ -33,7 +33,7 @@ MAX_TAPS = 49  # the kernel keeps a channel block's taps in registers: 7x7 at mo
 @dataclass(frozen=True)
 class Geometry:
     """The convolution's sizes: input N x H x W x C (NHWC), output OH x OW, kernel, stride,
-    padding, dilation."""
+    padding (top, left: the bottom and right ones are those OH and OW imply), dilation."""
 
     n: int
     h: int
@@ -101,9 +101,12 @@ def lower_depthwise(
     n, c, h, wd = xm.shape
     kh, kw = w.tensor.shape[2:]
     rows = anchor.tensor.shape[0]
-    oh = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
-    ow = (wd + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
-    geo = Geometry(n, h, wd, c, oh, ow, kh, kw, *stride, *padding, *dilation)
+    top, left = padding[:2]
+    bottom, right = padding[2:] if len(padding) == 4 else padding  # (zero padding folded in)
+    oh = (h + top + bottom - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    ow = (wd + left + right - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    # the kernel reads the top and left padding; the bottom and right ones are in OH, OW
+    geo = Geometry(n, h, wd, c, oh, ow, kh, kw, stride[0], stride[1], top, left, *dilation)
     if kh * kw > MAX_TAPS:
         raise NotFusable(f"a {kh}x{kw} window (the depthwise kernel holds {MAX_TAPS} taps)")
     if any(is_size(v) for v in vars(geo).values()):

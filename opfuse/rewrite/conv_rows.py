@@ -8,7 +8,10 @@ the channels-last output is the [N*OH*OW, OC] result seen through a view and a p
     x -> opfuse::depthwise_rows(x, weight, bias, ...) [N*OH*OW, C] -> view -> permute
 
 so the result takes its epilogue as a linear's does (bias, activation, residual add,
-stored through the view and permute), with tiles of rows computed in cache. The tuner
+stored through the view and permute), with tiles of rows computed in cache. A zero
+padding before the convolution (`constant_pad_nd`, as Hugging Face's MobileNets pad for
+TensorFlow's "same", one side more than the other) is read as the convolution's own:
+a depthwise one takes the four sides, a 1x1 one drops a padding of nothing. The tuner
 weighs opfuse's GEMM (or its depthwise kernel), MKL's and torch's against the convolution
 itself, run as before by oneDNN with its post-ops (`convolution_of` finds it again).
 oneDNN's call through torch costs ~21 us before any work: opfuse's GEMM won on every 1x1
@@ -42,7 +45,11 @@ def _depthwise_rows(
     dilation: list[int],
 ) -> torch.Tensor:
     """A depthwise 2-D convolution's output as [N*OH*OW, C] rows (its NHWC order), dense
-    whatever layout the convolution chose."""
+    whatever layout the convolution chose. `padding`: [height, width], or [top, left,
+    bottom, right] (zeros)."""
+    if len(padding) == 4:
+        top, left, bottom, right = padding
+        x, padding = F.pad(x, (left, right, top, bottom)), [0, 0]
     y = F.conv2d(x, weight, bias, stride, padding, dilation, x.shape[1])
     return y.permute(0, 2, 3, 1).reshape(-1, x.shape[1]).contiguous()
 
@@ -80,6 +87,10 @@ def _rewrite(b: GraphBuilder, n: Node, devices: Sequence[str]) -> tuple[Node, st
     x, w, bias = a["input"], a["weight"], a["bias"]
     if not isinstance(x, Node) or not isinstance(w, Node):
         return None
+    unpadded = _unpadded(x)
+    pads = (0, 0, 0, 0)
+    if unpadded is not None:
+        x, pads = unpadded
     xm, wm, out = x.tensor, w.tensor, n.meta
     if (
         a["transposed"]
@@ -96,7 +107,7 @@ def _rewrite(b: GraphBuilder, n: Node, devices: Sequence[str]) -> tuple[Node, st
         a["groups"] == 1
         and tuple(wm.shape[2:]) == (1, 1)
         and all(s == 1 for s in a["stride"])
-        and all(p == 0 for p in a["padding"])
+        and all(p == 0 for p in (*a["padding"], *pads))
         and all(d == 1 for d in a["dilation"])
     )
     channels = xm.shape[1]
@@ -109,6 +120,9 @@ def _rewrite(b: GraphBuilder, n: Node, devices: Sequence[str]) -> tuple[Node, st
         return None
     # (torch.export may leave one value for both dims: padding="valid" is [0])
     stride, padding, dilation = (_pair(a[k]) for k in ("stride", "padding", "dilation"))
+    if any(pads):  # the sides the pad added, onto the convolution's own
+        top, left, bottom, right = pads
+        padding = [padding[0] + top, padding[1] + left, padding[0] + bottom, padding[1] + right]
     aten = torch.ops.aten
     src = n.source
     batch, _, h, wd = xm.shape
@@ -148,9 +162,25 @@ def _rewrite(b: GraphBuilder, n: Node, devices: Sequence[str]) -> tuple[Node, st
         del b.nodes[before:]  # not the layout the convolution gave: keep it
         return None
     assert y is not None
+    padded = " (the zero padding before it folded in)" if unpadded is not None else ""
     if pointwise:
-        return y, "a 1x1 convolution, as a matmul over channels-last rows"
-    return y, "a depthwise convolution, as rows of its channels-last output"
+        return y, "a 1x1 convolution, as a matmul over channels-last rows" + padded
+    return y, "a depthwise convolution, as rows of its channels-last output" + padded
+
+
+def _unpadded(x: Node) -> tuple[Node, tuple[int, int, int, int]] | None:
+    """x as a zero padding of a 4-D tensor's height and width: that tensor, and the
+    (top, left, bottom, right) sides added."""
+    if x.op != "aten.constant_pad_nd.default":
+        return None
+    a = bind(x)
+    src, pad, value = a["self"], list(a["pad"]), a.get("value", 0)
+    if not isinstance(src, Node) or not isinstance(src.meta, TensorMeta) or src.tensor.ndim != 4:
+        return None
+    if value != 0 or len(pad) not in (2, 4) or any(not isinstance(p, int) or p < 0 for p in pad):
+        return None
+    left, right, top, bottom = (*pad, 0, 0)[:4]
+    return src, (top, left, bottom, right)
 
 
 def _pair(v: object) -> list[int]:
@@ -172,7 +202,11 @@ def convolution_of(graph: Graph, anchor: Node) -> tuple[Node, Node] | None:
         return None
     if anchor.op == DEPTHWISE:
         x, w, bias, stride, padding, dilation = anchor.args
-        assert isinstance(x, Node)
+        assert isinstance(x, Node) and isinstance(padding, list)
+        if len(padding) == 4:  # a convolution pads both sides alike
+            if padding[:2] != padding[2:]:
+                return None
+            padding = padding[:2]
         args = (x, w, bias, stride, padding, dilation, False, [0, 0], x.tensor.shape[1])
     elif anchor.op in ("aten.addmm.default", "aten.mm.default"):
         a = bind(anchor)
