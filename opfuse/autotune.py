@@ -426,6 +426,8 @@ def _pair(
     producers, last, name = job
     if force is not None and force != name:
         return  # another implementation forced: the groups run as forced
+    if isinstance(built.get(last), Absorbed):
+        return  # another kernel does this group's work already
     for p in producers:
         b = built.get(p)
         if isinstance(b, Absorbed) and b.into != last:

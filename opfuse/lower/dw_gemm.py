@@ -6,8 +6,9 @@ depthwise result never goes to memory: at MobileNetV2's batch 8 it is 3-13 MB a 
 written and read back once each.
 
 This is a candidate of the matmul's group ("opfuse-dw-gemm") that also does the work of
-the depthwise group before it (`producer`); the tuner times it against the two groups run
-as they would separately and keeps the faster (autotune.pair_depthwise).
+the depthwise group before it (`producers`); the tuner times it against the two groups run
+as they would separately and keeps the faster (autotune._pair). With the 1x1 expansion
+before the depthwise convolution, "opfuse-expand-dw-gemm" does the work of all three.
 """
 
 from __future__ import annotations
@@ -83,8 +84,11 @@ class DwGemmKernel:
         e = self.expand
         if e is None:
             return []
-        skip = (e.gemm_buffer, self.expanded_value)
-        return [b for b in e.epilogue.buffers if b.name not in skip and b.value not in skip]
+        return [
+            b
+            for b in e.epilogue.buffers
+            if b.name != e.gemm_buffer and b.value != self.expanded_value
+        ]
 
     @property
     def dw_buffers(self) -> list[Buffer]:

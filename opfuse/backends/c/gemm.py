@@ -49,22 +49,22 @@ OWN_GEMM = r"""
 #define OPFUSE_MR 6
 typedef float opfuse_v16 __attribute__((vector_size(64)));
 
-/* acc[i] += a[i, k] * B[k] over k in [k0, k1), for i < rows: called with rows the
-   constant OPFUSE_MR for full strips, so that gcc unrolls the rows and keeps acc in
-   registers. */
+/* acc[i] += a[i, k] * B[k] over k in [k0, k1), for i < rows, over the panel's first
+   `halves` vectors of 16 columns: called with rows and halves constants, so that gcc
+   unrolls the rows and keeps acc in registers. */
 __attribute__((optimize("fp-contract=fast"), always_inline))
 static inline void opfuse_gemm_block(opfuse_v16 acc[OPFUSE_MR][2], const float *restrict a,
                                      int64_t lda, const float *restrict bp, int64_t k0,
-                                     int64_t k1, int rows) {
+                                     int64_t k1, int rows, int halves) {
   for (int64_t k = k0; k < k1; k++) {
-    opfuse_v16 b0, b1;  /* memcpy: no alignment assumed of the packed buffer */
+    opfuse_v16 b0, b1 = {0};  /* memcpy: no alignment assumed of the packed buffer */
     memcpy(&b0, bp + k * 32, 64);
-    memcpy(&b1, bp + k * 32 + 16, 64);
+    if (halves == 2) memcpy(&b1, bp + k * 32 + 16, 64);
     #pragma GCC unroll 6
     for (int i = 0; i < rows; i++) {
       const float av = a[i * lda + k];
       acc[i][0] += av * b0;
-      acc[i][1] += av * b1;
+      if (halves == 2) acc[i][1] += av * b1;
     }
   }
 }
@@ -72,11 +72,12 @@ static inline void opfuse_gemm_block(opfuse_v16 acc[OPFUSE_MR][2], const float *
 /* One strip: c[rows x w] = a[rows x K] @ the panel. Always inlined, and called with rows
    the constant OPFUSE_MR for full strips: gcc then unrolls every row loop, keeps the sums
    in registers and zeroes them without calls (a variable row count left them in memory,
-   cleared by memset calls on every block of 32 k: a third of the strip's time at K=64). */
+   cleared by memset calls on every block of 32 k: a third of the strip's time at K=64).
+   `halves` (a constant too): 1 where w <= 16, whose other 16 columns would be zeros. */
 __attribute__((optimize("fp-contract=fast"), always_inline))
 static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
                                      const float *restrict bp, float *restrict c,
-                                     int64_t ldc, int rows, int w, int64_t K) {
+                                     int64_t ldc, int rows, int w, int64_t K, int halves) {
   opfuse_v16 s[OPFUSE_MR][2], mid[OPFUSE_MR][2], acc[OPFUSE_MR][2];
   const opfuse_v16 zero = {0};
   #pragma GCC unroll 6
@@ -85,7 +86,7 @@ static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
     const int64_t k1 = k0 + 32 < K ? k0 + 32 : K;
     #pragma GCC unroll 6
     for (int i = 0; i < OPFUSE_MR; i++) acc[i][0] = acc[i][1] = zero;
-    opfuse_gemm_block(acc, a, lda, bp, k0, k1, rows);
+    opfuse_gemm_block(acc, a, lda, bp, k0, k1, rows, halves);
     #pragma GCC unroll 6
     for (int i = 0; i < OPFUSE_MR; i++) {
       mid[i][0] += acc[i][0];
@@ -102,15 +103,36 @@ static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
   }
   #pragma GCC unroll 6
   for (int i = 0; i < rows; i++) {
-    if (w == 32) {
+    if (w == 16 * halves) {
       memcpy(c + i * ldc, &s[i][0], 64);
-      memcpy(c + i * ldc + 16, &s[i][1], 64);
+      if (halves == 2) memcpy(c + i * ldc + 16, &s[i][1], 64);
     } else {
       float t[32];
       memcpy(t, &s[i][0], 64);
-      memcpy(t + 16, &s[i][1], 64);
+      if (halves == 2) memcpy(t + 16, &s[i][1], 64);
       for (int j = 0; j < w; j++) c[i * ldc + j] = t[j];
     }
+  }
+}
+
+/* c[mm x w] = a[mm x K] @ one panel, strip by strip; halves as for the strip. */
+__attribute__((optimize("fp-contract=fast"), always_inline))
+static inline void opfuse_gemm_panel(const float *restrict a, int64_t lda,
+                                     const float *restrict panel, float *restrict c,
+                                     int64_t ldc, int mm, int w, int64_t K, int halves) {
+  int i0 = 0;
+  for (; i0 + OPFUSE_MR <= mm; i0 += OPFUSE_MR)
+    opfuse_gemm_strip(a + i0 * lda, lda, panel, c + i0 * ldc, ldc, OPFUSE_MR, w, K, halves);
+  /* the last rows, each count a constant of its own (registers, as for full strips) */
+  const float *restrict at = a + i0 * lda;
+  float *restrict ct = c + i0 * ldc;
+  switch (mm - i0) {
+    case 1: opfuse_gemm_strip(at, lda, panel, ct, ldc, 1, w, K, halves); break;
+    case 2: opfuse_gemm_strip(at, lda, panel, ct, ldc, 2, w, K, halves); break;
+    case 3: opfuse_gemm_strip(at, lda, panel, ct, ldc, 3, w, K, halves); break;
+    case 4: opfuse_gemm_strip(at, lda, panel, ct, ldc, 4, w, K, halves); break;
+    case 5: opfuse_gemm_strip(at, lda, panel, ct, ldc, 5, w, K, halves); break;
+    default: break;
   }
 }
 
@@ -135,27 +157,18 @@ static void opfuse_gemm_pack(const float *restrict b, int64_t sk, int64_t sn,
 /* c[mm x nn] (leading dimension ldc) = a[mm x K] (lda) @ the tile's packed panels; panel
    by panel, so that one stays in L2 while the strips of A pass over it. The strips are
    inlined here, so the FMA must be allowed here too: else gcc splits it into a multiply
-   and an add, which rounds twice and changes the sums. */
+   and an add, which rounds twice and changes the sums. A panel of at most 16 columns (N =
+   16, 144, 1000's last) is computed one vector wide: half the FMAs of a full panel. */
 __attribute__((optimize("fp-contract=fast")))
 static void opfuse_gemm_tile(const float *restrict a, int64_t lda, const float *restrict bp,
                              float *restrict c, int64_t ldc, int mm, int nn, int64_t K) {
   for (int p = 0; p * 32 < nn; p++) {
     const int w = nn - p * 32 < 32 ? nn - p * 32 : 32;
     const float *restrict panel = bp + (int64_t)p * K * 32;
-    int i0 = 0;
-    for (; i0 + OPFUSE_MR <= mm; i0 += OPFUSE_MR)
-      opfuse_gemm_strip(a + i0 * lda, lda, panel, c + i0 * ldc + p * 32, ldc, OPFUSE_MR, w, K);
-    /* the last rows, each count a constant of its own (registers, as for full strips) */
-    const float *restrict at = a + i0 * lda;
-    float *restrict ct = c + i0 * ldc + p * 32;
-    switch (mm - i0) {
-      case 1: opfuse_gemm_strip(at, lda, panel, ct, ldc, 1, w, K); break;
-      case 2: opfuse_gemm_strip(at, lda, panel, ct, ldc, 2, w, K); break;
-      case 3: opfuse_gemm_strip(at, lda, panel, ct, ldc, 3, w, K); break;
-      case 4: opfuse_gemm_strip(at, lda, panel, ct, ldc, 4, w, K); break;
-      case 5: opfuse_gemm_strip(at, lda, panel, ct, ldc, 5, w, K); break;
-      default: break;
-    }
+    if (w > 16)
+      opfuse_gemm_panel(a, lda, panel, c + p * 32, ldc, mm, w, K, 2);
+    else
+      opfuse_gemm_panel(a, lda, panel, c + p * 32, ldc, mm, w, K, 1);
   }
 }
 """
