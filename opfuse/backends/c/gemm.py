@@ -82,6 +82,12 @@ static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
   const opfuse_v16 zero = {0};
   #pragma GCC unroll 6
   for (int i = 0; i < OPFUSE_MR; i++) s[i][0] = s[i][1] = mid[i][0] = mid[i][1] = zero;
+  if (K <= 32) {
+    /* one block: its sums are the result (adding them to zeros cost a fifth of the
+       strip at K = 16; an exact zero sum may come out -0 instead of +0) */
+    opfuse_gemm_block(s, a, lda, bp, 0, K, rows, halves);
+    K = 0;
+  }
   for (int64_t k0 = 0; k0 < K; k0 += 32) {
     const int64_t k1 = k0 + 32 < K ? k0 + 32 : K;
     #pragma GCC unroll 6
