@@ -75,8 +75,14 @@ def penalised(anchor_op: str | None, intermediate_bytes: int) -> frozenset[str]:
     to memory when timed alone too: linear+bias+gelu 2048x1024x4096 writes 32 MiB and ran
     118 ms unfused against 125 ms blocked in a model, as alone, yet the margin kept the
     blocked one); torch's call on a convolution (its weight reorder)."""
-    out = frozenset(MATERIALISING) if intermediate_bytes <= _cache_bytes() // 2 else frozenset()
+    out = frozenset(MATERIALISING) if _stays_cached(intermediate_bytes) else frozenset()
     return out | REORDERING if anchor_op == "aten.convolution.default" else out
+
+
+def _stays_cached(nbytes: int) -> bool:
+    """Does a value passed between kernels stay in cache when they are timed alone (and
+    so flatter the kernels that write and read it back)?"""
+    return nbytes <= _cache_bytes() // 2
 
 
 @functools.lru_cache(maxsize=1)
@@ -317,11 +323,7 @@ def choose(
     noise = noise or Noise()
     sub, externals = subgraph(graph, group.nodes)
     by_name = {n.name: n for n in sub.nodes}
-    members = [by_name[n.name] for n in group.nodes]
-    sub_group = Group(
-        0, members, group.pattern, by_name[group.anchor.name] if group.anchor else None
-    )
-    part = Partition([sub_group])
+    part = Partition([_copied(group, by_name)])
     inputs = [noise.like(n.tensor) for n in externals]
     working_set = sum(t.numel() * t.element_size() for t in inputs) + sum(
         o.tensor.nbytes for o in sub.output_set
@@ -472,13 +474,8 @@ def _time_pair(
     members = [n for g in groups for n in g.nodes]
     sub, externals = subgraph(graph, members)
     by_name = {n.name: n for n in sub.nodes}
-
-    def copy(i: int, g: Group, nodes: list[Node]) -> Group:
-        anchor = by_name[g.anchor.name] if g.anchor else None
-        return Group(i, [by_name[n.name] for n in nodes], g.pattern, anchor)
-
-    one = Partition([copy(0, groups[-1], members)])
-    apart = Partition([copy(i, g, g.nodes) for i, g in enumerate(groups)])
+    one = Partition([_copied(groups[-1], by_name, nodes=members)])
+    apart = Partition([_copied(g, by_name, i) for i, g in enumerate(groups)])
     runs = {i: b for i, b in enumerate(chosen) if b is not None}
     inputs = [noise.like(n.tensor) for n in externals]
     name = fused.kernel.implementation
@@ -489,13 +486,21 @@ def _time_pair(
     # Timed alone, the values the separate groups pass between them stay in cache; inside
     # a model they make their round trip to memory: the fused candidate wins by a margin.
     passed = max(g.nodes[-1].tensor.nbytes for g in groups[:-1])
-    flattered = frozenset({"separate"}) if passed <= _cache_bytes() // 2 else frozenset()
+    flattered = frozenset({"separate"}) if _stays_cached(passed) else frozenset()
     seconds = time_candidates(runners, done=functools.partial(settled, flattered=flattered))
     del runners, inputs
     release_freed_memory()
     if not seconds:
         return Decision("separate", {})
     return Decision(pick(seconds, flattered), seconds)
+
+
+def _copied(
+    g: Group, by_name: Mapping[str, Node], gid: int = 0, nodes: Sequence[Node] | None = None
+) -> Group:
+    """Group g (or its pattern and anchor over `nodes`) in a sub-graph: its nodes by name."""
+    anchor = by_name[g.anchor.name] if g.anchor else None
+    return Group(gid, [by_name[n.name] for n in (nodes or g.nodes)], g.pattern, anchor)
 
 
 def _made(makers: dict[str, Make], names: Iterable[str]) -> dict[str, Built | None]:

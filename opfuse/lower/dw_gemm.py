@@ -19,17 +19,15 @@ from typing import Any
 
 from ..fusion.groups import Partition
 from ..ir.graph import Graph, Node, TensorMeta
-from ..ir.index import Ix, Var, address
 from ..ir.ops import VIEW_OPS
 from ..rewrite.conv_rows import DEPTHWISE
 from .depthwise import DepthwiseKernel
 from .epilogue import (
-    TILE_COL,
-    TILE_ROW,
     GemmKernel,
     GemmSpec,
     lower_blocked,
     own_gemm,
+    tile_index,
     tile_slots,
     whole_rounds,
 )
@@ -162,7 +160,7 @@ def pair_depthwise_gemms(
         if not isinstance(gk, GemmKernel) or g.anchor is None:
             continue
         s = gk.spec
-        if s.kind == "bmm" or s.batch != 1 or s.a.trans or not s.packable:
+        if not _plain(s):
             continue
         rows = _view_base(s.a.node)
         producer = owner.get(rows)
@@ -204,12 +202,12 @@ def _fuse(
     c = dk.geometry.c
     if (spec.m, spec.k, spec.a.ld) != (dk.rows, c, c):
         raise NotFusable("the matmul reads the rows in another shape")
-    outs = [b for b in dk.epilogue.buffers if b.role == "out"]
-    if len(outs) != 1 or outs[0].value != rows.name:
+    out = _only_output(dk.epilogue, rows)
+    if out is None:
         raise NotFusable("the depthwise group has other outputs")
     if not _read_only_by(graph, rows, anchor):
         raise NotFusable("the rows are read by others too")
-    epi = dk.epilogue if dk.in_place else store_in_tile(dk.epilogue, outs[0].name, c)
+    epi = dk.epilogue if dk.in_place else store_in_tile(dk.epilogue, out, c)
     n = spec.n
     tm = max(1, min(-(-dk.rows // threads), TILE_FLOATS // (2 * c + n)))
     tm = whole_rounds(dk.rows, tm, 1, threads)
@@ -239,12 +237,12 @@ def _expand(
     `reads`: the expansion's result, and the depthwise convolution reading it."""
     expanded, dw_anchor = reads
     g, s = pair.dw.geometry, ek.spec
-    if s.kind == "bmm" or s.batch != 1 or s.a.trans or not s.packable:
+    if not _plain(s):
         raise NotFusable("the expansion is no plain matmul with a frozen weight")
     if (s.m, s.n) != (g.n * g.h * g.w, g.c):
         raise NotFusable("the expansion computes the depthwise input in another shape")
-    outs = [b for b in ek.epilogue.buffers if b.role == "out"]
-    if ek.in_place or len(outs) != 1 or outs[0].value != expanded.name:
+    out = _only_output(ek.epilogue, expanded)
+    if ek.in_place or out is None:
         raise NotFusable("the expansion's epilogue stores other values")
     if not _read_only_by(graph, expanded, dw_anchor):
         raise NotFusable("the expansion's result is read by others too")
@@ -259,7 +257,7 @@ def _expand(
         band -= 1
     tm = band * g.ow
     e = own_gemm(lower_blocked(graph, anchor, members, threads, tile=(tm, g.c)))
-    e = replace(e, epilogue=store_in_tile(e.epilogue, outs[0].name, g.c))
+    e = replace(e, epilogue=store_in_tile(e.epilogue, out, g.c))
     return replace(
         pair,
         name=e.name + "_" + pair.name.removeprefix("fused_"),
@@ -275,11 +273,7 @@ def _expand(
 def store_in_tile(k: Kernel, buf: str, ld: int) -> Kernel:
     """The depthwise epilogue storing `buf` into the tile (leading dimension ld, from the
     tile's origin) instead of at its place in the rows: where the matmul reads them."""
-    *_, row, col = (*k.outer, *k.inner)
-    own = address([Ix.var(row), Ix.var(col)], (ld, 1))
-    at = (Ix.var(row) - Ix.var(Var(TILE_ROW, row.extent))) * ld + (
-        Ix.var(col) - Ix.var(Var(TILE_COL, col.extent))
-    )
+    own, at = tile_index(k, ld)
     if len(k.passes) != 1 or k.passes[0].after or k.passes[0].accumulates:
         raise NotFusable("the depthwise epilogue is not pointwise")
     stores = []
@@ -290,6 +284,17 @@ def store_in_tile(k: Kernel, buf: str, ld: int) -> Kernel:
             s = replace(s, index=at)
         stores.append(s)
     return replace(k, passes=(replace(k.passes[0], stores=tuple(stores)),))
+
+
+def _plain(s: GemmSpec) -> bool:
+    """A matmul opfuse's GEMM runs in a fused kernel: one, A row-major, B frozen."""
+    return s.kind != "bmm" and s.batch == 1 and not s.a.trans and s.packable
+
+
+def _only_output(epilogue: Kernel, value: Node) -> str | None:
+    """The buffer of `value` where it is the epilogue's one output, else None."""
+    outs = [b for b in epilogue.buffers if b.role == "out"]
+    return outs[0].name if len(outs) == 1 and outs[0].value == value.name else None
 
 
 def _view_base(n: Node) -> Node:
@@ -303,7 +308,9 @@ def _view_base(n: Node) -> Node:
 
 
 def _read_only_by(graph: Graph, value: Node, anchor: Node) -> bool:
-    """Is `value` read only by `anchor`, directly or through views, and never returned?"""
+    """Is `value` read only by `anchor`, directly or through views, and never returned?
+    (Stricter than ir.uses.used_outside, which looks through any injective op: a copy of
+    the value the anchor read otherwise would need it stored.)"""
     stack = [value]
     while stack:
         n = stack.pop()

@@ -309,14 +309,21 @@ def own_gemm(k: GemmKernel) -> GemmKernel:
 TILE_ROW, TILE_COL = "m0", "n0"
 
 
-def _read_tile_slot(kernel: Kernel, gemm_buf: str, tile_n: int) -> Kernel:
-    """The epilogue reading the GEMM results from the thread's tile slot (leading
-    dimension tile_n) instead of from their place in an [m, n] result: at
-    (row - m0) * tile_n + (col - n0)."""
+def tile_index(kernel: Kernel, ld: int) -> tuple[Ix, Ix]:
+    """(the row-major index of the kernel's last two loop variables with leading
+    dimension ld, the same position in a tile slot: (row - m0) * ld + (col - n0))."""
     *_, row, col = (*kernel.outer, *kernel.inner)
-    at = (Ix.var(row) - Ix.var(Var(TILE_ROW, row.extent))) * tile_n + (
+    own = address([Ix.var(row), Ix.var(col)], (ld, 1))
+    at = (Ix.var(row) - Ix.var(Var(TILE_ROW, row.extent))) * ld + (
         Ix.var(col) - Ix.var(Var(TILE_COL, col.extent))
     )
+    return own, at
+
+
+def _read_tile_slot(kernel: Kernel, gemm_buf: str, tile_n: int) -> Kernel:
+    """The epilogue reading the GEMM results from the thread's tile slot (leading
+    dimension tile_n) instead of from their place in an [m, n] result."""
+    at = tile_index(kernel, tile_n)[1]
     return map_indices(kernel, lambda ix: ix, lambda buf, ix: at if buf == gemm_buf else ix)
 
 

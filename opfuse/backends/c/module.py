@@ -316,20 +316,22 @@ def _make_depthwise(
     graph: Graph, k: DepthwiseKernel, fn: Any, sizes: tuple[int, ...] = ()
 ) -> Built:
     """opfuse's depthwise kernel, its frozen filters (and bias) packed now."""
+    return BuiltGemm(k, fn, _filters(graph, k), 0, sizes=sizes)
+
+
+def _filters(graph: Graph, k: DepthwiseKernel) -> torch.Tensor:
+    """A depthwise kernel's frozen filters and bias, packed as it reads them."""
     weight = _const(graph, k.weight)
     bias = _const(graph, k.bias)
     assert weight is not None and (bias is not None or k.bias is None)
-    return BuiltGemm(k, fn, pack_filters(weight, bias), 0, sizes=sizes)
+    return pack_filters(weight, bias)
 
 
 def _make_dw_gemm(graph: Graph, k: DwGemmKernel, fn: Any, sizes: tuple[int, ...] = ()) -> Built:
     """A depthwise convolution feeding a matmul: the filters and bias packed as the
     depthwise kernel reads them, then the matmul's weight as opfuse's GEMM does (and the
     expansion's, where the kernel computes the depthwise input too)."""
-    weight = _const(graph, k.dw.weight)
-    bias = _const(graph, k.dw.bias)
-    assert weight is not None and (bias is not None or k.dw.bias is None)
-    parts = [pack_filters(weight, bias), OwnPack.of(k.gemm)(_weight(graph, k.gemm))]
+    parts = [_filters(graph, k.dw), OwnPack.of(k.gemm)(_weight(graph, k.gemm))]
     if k.expand is not None:  # (the expansion's weight after the matmul's)
         parts.append(OwnPack.of(k.expand)(_weight(graph, k.expand)))
     return BuiltGemm(k, fn, torch.cat(parts), 0, sizes=sizes)
