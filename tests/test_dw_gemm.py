@@ -315,9 +315,11 @@ def test_a_chain_of_blocks_runs_each_group_once(options: Any) -> None:
         if g.kernel.startswith("(in group"):
             into = groups[int(g.kernel.split()[-1].rstrip(")"))]
             assert not into.kernel.startswith("(in group"), (g.kernel, into.kernel)
-    # nothing a kernel was to compute left to torch: every step is a kernel of a group
+    # nothing a kernel was to compute left to torch: no torch step computes a value of a
+    # group run inside another's kernel (a group the tuner gave torch's call may have one)
+    absorbed = {n for g in groups.values() if g.kernel.startswith("(in group") for n in g.nodes}
     steps = fast._first.compiled.run.plan.steps  # type: ignore[attr-defined]
-    assert not any(isinstance(s, TorchStep) and "depthwise" in s.name for s in steps)
+    assert not any(isinstance(s, TorchStep) and s.name in absorbed for s in steps)
     assert fast.report.kernels_after == sum(
         1 for g in groups.values() if not g.kernel.startswith("(in group")
     )
