@@ -30,7 +30,20 @@ def _configure_logging() -> None:
             logger.addHandler(h)
 
 
+def _register_backend() -> None:
+    """torch.compile(backend="opfuse") also where no installed entry point names it (a
+    checkout on PYTHONPATH). Where the entry point is known, torch loads it itself: this
+    import may be that load, and a second registration is an error."""
+    from torch._dynamo.backends import registry
+
+    if "opfuse" not in registry._BACKENDS:
+        from .frontend.dynamo import opfuse_backend
+
+        registry.register_backend(opfuse_backend, name="opfuse")
+
+
 _configure_logging()
+_register_backend()
 __all__ = [
     "CompiledModule",
     "FusionReport",

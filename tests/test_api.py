@@ -435,6 +435,31 @@ def test_torch_compile_backend_registered_by_entry_point() -> None:
     assert res.stdout.split() == ["ok", "True"]  # loaded by torch through the entry point
 
 
+def test_torch_compile_backend_registered_by_import_without_an_entry_point() -> None:
+    """opfuse run from a checkout on PYTHONPATH (no installed metadata): importing it
+    registers the backend."""
+    code = textwrap.dedent(
+        """
+        import importlib.metadata as md
+        real = md.entry_points
+        md.entry_points = lambda **kw: (
+            md.EntryPoints([]) if kw.get("group") == "torch_dynamo_backends" else real(**kw)
+        )
+        import torch, opfuse
+        from torch._dynamo.backends.registry import lookup_backend
+        from opfuse.frontend.dynamo import opfuse_backend
+        assert lookup_backend("opfuse") is opfuse_backend
+        opfuse._register_backend()  # a second import's registration is a no-op
+        x = torch.randn(3, 5)
+        f = torch.compile(lambda t: t.sin() * 2, backend="opfuse")
+        print(torch.allclose(f(x), x.sin() * 2))
+        """
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == ["True"]
+
+
 def test_torch_compile_inference_under_no_grad() -> None:
     m = _mlp()
     x = torch.randn(6, 8)

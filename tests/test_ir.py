@@ -80,3 +80,20 @@ def test_debug_dir_holds_the_graph_after_every_pass(tmp_path: Path) -> None:
     assert {"source.c", "report.txt", "report.json"} <= set(names)
     assert (run / names[0]).read_text().startswith("graph(")
     assert {"partition", "lower", "tune", "fold_batchnorm"} <= set(fast.report.passes)
+
+
+def test_a_new_op_lives_on_the_device_its_arguments_name() -> None:
+    """A factory's `device=` (and opfuse.seed's device argument) decide where its result
+    lives, not the first tensor argument (or 'cpu' for none): a CUDA graph's rewritten
+    seed said 'cpu' and its kernel was handed a scratch buffer on the wrong device."""
+    from opfuse.ir.graph import TensorMeta
+    from opfuse.ir.meta import infer_meta
+    from opfuse.rewrite import random  # noqa: F401  (registers opfuse.seed)
+
+    aten = torch.ops.aten
+    z = infer_meta(aten.zeros.default, ([2, 3],), {"device": torch.device("meta")})
+    assert z == TensorMeta((2, 3), (3, 1), torch.float32, "meta")
+    s = infer_meta(torch.ops.opfuse.seed.default, (torch.device("meta"),), {})
+    assert s.device == "meta" and s.dtype == torch.int64 and s.shape == ()
+    on = Node("x", "input", meta=TensorMeta((4,), (1,), torch.float32, "meta"))
+    assert infer_meta(aten.sin.default, (on,), {}).device == "meta"

@@ -14,18 +14,45 @@ def _fake(m: TensorMeta) -> torch.Tensor:
 
 
 def infer_meta(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run `target` on meta tensors standing in for the Node arguments."""
-    device = "cpu"
-    for a in _nodes(args, kwargs):
-        if isinstance(a.meta, TensorMeta):
-            device = a.meta.device
-            break
-    margs = map_args(args, lambda n: _fake(n.tensor))
-    mkwargs = {k: map_args(v, lambda n: _fake(n.tensor)) for k, v in kwargs.items()}
-    if "device" in mkwargs:
-        mkwargs["device"] = "meta"
+    """Run `target` on meta tensors standing in for the Node arguments. The result lives
+    on the device an argument names (a factory's `device=`, opfuse.seed's), else on the
+    first tensor argument's."""
+    device = _named_device(args, kwargs)
+    if device is None:
+        device = "cpu"
+        for a in _nodes(args, kwargs):
+            if isinstance(a.meta, TensorMeta):
+                device = a.meta.device
+                break
+    margs = tuple(_on_meta(map_args(a, lambda n: _fake(n.tensor))) for a in args)
+    mkwargs = {
+        k: "meta" if k == "device" else map_args(v, lambda n: _fake(n.tensor))
+        for k, v in kwargs.items()
+    }
     out = target(*margs, **mkwargs)
     return _to_meta(out, device)
+
+
+def _named_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.device):
+            return device_name(v)
+    d = kwargs.get("device")
+    return device_name(torch.device(d)) if isinstance(d, str) else None
+
+
+def device_name(d: torch.device) -> str:
+    """A device as tensors on it print theirs: 'cuda' names the current CUDA device,
+    'cuda:0', as a tensor made there says."""
+    if d.index is None and d.type != "cpu" and d.type != "meta":
+        mod = getattr(torch, d.type, None)
+        if mod is not None and hasattr(mod, "current_device") and mod.is_available():
+            return f"{d.type}:{mod.current_device()}"
+    return str(d)
+
+
+def _on_meta(v: Any) -> Any:
+    return "meta" if isinstance(v, torch.device) else v
 
 
 def _to_meta(v: Any, device: str) -> Any:

@@ -142,10 +142,12 @@ def _condition_mask(
     b: GraphBuilder, graph: Graph, cond: Node, keep: bool, dtype: torch.dtype
 ) -> Node:
     """The where's condition as the additive mask 0 / -inf."""
+    # made on the condition's device: a GPU graph's kernels cannot read a CPU constant
+    device = cond.tensor.device
     if cond.op == CONSTANT:
-        t = torch.zeros(cond.tensor.shape, dtype=dtype)
+        t = torch.zeros(cond.tensor.shape, dtype=dtype, device=device)
         return b.constant(t.masked_fill(_masked(graph, cond, keep), -math.inf), f"{cond.name}_add")
-    zero = b.constant(torch.zeros((), dtype=dtype), f"{cond.name}_zero")
+    zero = b.constant(torch.zeros((), dtype=dtype, device=device), f"{cond.name}_zero")
     if keep:
         return b.call(aten.where.ScalarOther, b.get(cond), zero, -math.inf)
     return b.call(aten.where.ScalarSelf, b.get(cond), -math.inf, zero)

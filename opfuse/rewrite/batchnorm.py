@@ -159,7 +159,11 @@ def fold_weights(
         w_new = (grouped * scale).reshape(w64.shape)
     else:
         w_new = w64 * s.reshape(c, *([1] * (w64.ndim - 1)))
-    b64 = bias.detach().double() if bias is not None else torch.zeros(c, dtype=torch.float64)
+    b64 = (
+        bias.detach().double()
+        if bias is not None
+        else torch.zeros(c, dtype=torch.float64, device=mean.device)
+    )
     b_new = (b64 - mean.detach().double()) * s
     if beta is not None:
         b_new = b_new + beta.detach().double()

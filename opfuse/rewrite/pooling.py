@@ -179,7 +179,10 @@ def _window_reduction(
             acc = v.tensor.dtype
             div = _divisors(windows, ins, outs, a)
             if isinstance(div, torch.Tensor):  # per output position
-                divisor = b.constant(div.to(acc), f"{n.name}_divisor", src)
+                # on the pooled tensor's device: a CPU table read by a GPU kernel is
+                # a launch failure (a CPU 0-d scalar would be fine, a table is not)
+                div = div.to(device=xm.device, dtype=acc)
+                divisor = b.constant(div, f"{n.name}_divisor", src)
                 v = b.call(aten.div.Tensor, v, divisor, source=src)
             elif div != 1:
                 v = b.call(aten.div.Tensor, v, float(div), source=src)

@@ -30,6 +30,7 @@ def fused_clone_amax_sub_exp_sum_and_1_more_0_kernel(in0, out0, XBLOCK: tl.const
         acc1_lvalue = tl.where(rmask, acc1_lvalue + t5.to(tl.float64), acc1_lvalue)
         tl.store(out0 + (rzero + r0 + 50 * x0), t5, mask=rmask)
     acc1_value = tl.reduce(acc1_lvalue, 1, combine_sum)[:, None]
+    tl.debug_barrier()
     for roff in range(0, 50, RBLOCK):
         rl = (roff + tl.arange(0, RBLOCK)[None, :]).to(tl.int64)
         rzero = xzero + rl * 0

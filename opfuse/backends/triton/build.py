@@ -88,15 +88,16 @@ def build_module(graph: Graph, lowered: Lowered) -> Module:
                 kernels[gid] = (cname, name, c)
                 break
     rendered: dict[int, str] = {}
+    gpu = _on_gpu(graph)
     for gid, (_, name, k) in kernels.items():
         try:
-            rendered[gid] = render_kernel(name, k)
+            rendered[gid] = render_kernel(name, k, checks=not gpu)
         except NotRenderable:
             continue  # torch runs the group
     source = render_module(list(rendered.values())) if rendered else ""
     mod = Module(source)
     lib: ModuleType | None = None
-    if rendered and not (_on_gpu(graph) or interpreting()):
+    if rendered and not (gpu or interpreting()):
         mod.problem = (
             "opfuse: Triton runs CPU tensors only in its interpreter (TRITON_INTERPRET=1); "
             "running those ops with torch"

@@ -283,9 +283,11 @@ class _Emitter(Namer):
         return tmpl.format(*(self.ref(a) for a in e.args))
 
 
-def render_kernel(name: str, k: Kernel) -> str:
+def render_kernel(name: str, k: Kernel, checks: bool = True) -> str:
     """The Triton source of kernel `k`: `{name}_kernel` (jit) and `{name}(args, nthreads)`,
-    the launcher the runtime calls with the kernel's buffers in order.
+    the launcher the runtime calls with the kernel's buffers in order. Without `checks`
+    the kernel leaves out `k.checks` (integer division by zero): torch's GPU kernels do not
+    check either, and reading the flag would make every launch wait for the GPU.
 
     The jit function prints a graph's symbolic sizes (ir/size.py) as parameters, which the
     launcher passes as this size's values: every size of the graph renders the same jit
@@ -293,19 +295,20 @@ def render_kernel(name: str, k: Kernel) -> str:
     outer = k.outer_size
     counter = [0]
     body: list[str] = []
+    tests = k.checks if checks else ()
     with symbolic_text() as seen:
         if not k.inner:
             xblock, rblock = min(XBLOCK_POINTWISE, _pow2(outer)), 1
-            _pointwise(k, body, counter)
+            _pointwise(k, tests, body, counter)
         else:
             rblock = min(RBLOCK_MAX, _pow2(k.inner_size))
             xblock = max(1, min(_pow2(outer), REDUCTION_TILE // rblock))
-            _rows(k, body, counter)
+            _rows(k, tests, body, counter)
     symbols = sorted(seen)
     lines = [f"# {name}: {', '.join(k.ops)}"]
     lines.append(f"# reads {k.bytes_read} bytes, writes {k.bytes_written} bytes")
     # a kernel dividing integers sets err[0] where a divisor is 0 (torch raises then)
-    params = ", ".join([b.name for b in k.buffers] + symbols + (["err"] if k.checks else []))
+    params = ", ".join([b.name for b in k.buffers] + symbols + (["err"] if tests else []))
     lines.append("@triton.jit")
     lines.append(f"def {name}_kernel({params}, XBLOCK: tl.constexpr, RBLOCK: tl.constexpr):")
     lines += body
@@ -314,7 +317,7 @@ def render_kernel(name: str, k: Kernel) -> str:
     lines.append("")
     lines.append(f"def {name}(args, nthreads=0):")
     err = ""
-    if k.checks:
+    if tests:
         lines.append("    err = torch.zeros(1, dtype=torch.int32, device=args[0].device)")
         err = ", err"
     values = "".join(f", {seen[s]}" for s in symbols)
@@ -322,7 +325,7 @@ def render_kernel(name: str, k: Kernel) -> str:
         f"    {name}_kernel[({int(grid)},)](*args{values}{err}, XBLOCK={xblock}, "
         f"RBLOCK={rblock}, num_warps={NUM_WARPS})"
     )
-    lines.append("    return int(err.item())" if k.checks else "    return 0")
+    lines.append("    return int(err.item())" if tests else "    return 0")
     return "\n".join(lines) + "\n"
 
 
@@ -386,11 +389,11 @@ def _checks(em: _Emitter, checks: Sequence[Expr], lines: list[str], indent: str)
         lines.append(f"{indent}tl.store(err + {em.zero} * 0, 1, mask={em.mask} & {em.ref(c)})")
 
 
-def _pointwise(k: Kernel, lines: list[str], counter: list[int]) -> None:
+def _pointwise(k: Kernel, checks: Sequence[Expr], lines: list[str], counter: list[int]) -> None:
     ind = "    "
     _outer_vars(k, lines, ind, "")
     em = _Emitter(counter)
-    _checks(em, k.checks, lines, ind)
+    _checks(em, checks, lines, ind)
     for p in k.passes:
         _stores(em, p.stores, lines, ind)
         _stores(em, p.after, lines, ind)
@@ -438,12 +441,19 @@ def _initial(a: Accumulate, field: str, init: str) -> tuple[str, str]:
     return init, TL[t]
 
 
-def _rows(k: Kernel, lines: list[str], counter: list[int]) -> None:
+def _rows(k: Kernel, checks: Sequence[Expr], lines: list[str], counter: list[int]) -> None:
     ind = "    "
     _outer_vars(k, lines, ind, "[:, None]")
     em = _Emitter(counter)
+    stored = False
     for i, p in enumerate(k.passes):
-        _pass(k, p, em, lines, ind, k.checks if i == 0 else ())
+        if stored:
+            # A pass may read back what an earlier one stored (softmax's exp values): on a
+            # GPU the element may have been stored by another thread of the program, and
+            # only a barrier makes that store visible (the interpreter runs in order).
+            lines.append(f"{ind}tl.debug_barrier()")
+        _pass(k, p, em, lines, ind, checks if i == 0 else ())
+        stored = stored or bool(p.stores)
 
 
 def _pass(
