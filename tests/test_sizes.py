@@ -15,19 +15,8 @@ from hypothesis import strategies as st
 
 from opfuse.backends.c import build
 from opfuse.bench import models
-from opfuse.ir.size import Size, gcd, symbolic_text
+from opfuse.ir.size import Size, gcd, symbolic_text, value_at
 from tests.conftest import count_compiler_runs
-
-
-def _value_of(text: str, values: dict[str, int]) -> int:
-    """A Size's C text evaluated with Python's integer semantics for the helpers."""
-    env: dict[str, Any] = {
-        "opfuse_floordiv": operator.floordiv,
-        "opfuse_floormod": operator.mod,
-        **values,
-    }
-    return int(eval(text, env))  # our own expression text
-
 
 OPS = [operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod]
 
@@ -55,7 +44,24 @@ def test_arithmetic_keeps_an_expression_of_the_value(
         x = fn(other, x) if swap else fn(x, other)
     with symbolic_text() as seen:
         text = str(x)
-    assert int(x) == (_value_of(text, seen) if seen else int(text))
+    assert int(x) == (value_at(x, seen) if seen else int(text))
+    if isinstance(x, Size):  # and at other values of the symbols, as Python computes it
+        for d0, d1 in ((3, 5), (7, -1)):
+            moved = {"opfuse_s0": s0 + d0, "opfuse_s1": s1 + d1}
+            assert value_at(x, moved) == _replay(s0 + d0, s1 + d1, steps)
+
+
+def _replay(s0: int, s1: int, steps: list[tuple[int, int, bool]]) -> int:
+    """The steps the test applies, on plain ints (no step divides by zero: a divisor is
+    s1 >= 1 or a nonzero k, and a swapped division is skipped)."""
+    x = s0
+    for op, k, swap in steps:
+        fn = OPS[op]
+        other = s1 if k == 0 else k
+        if fn in (operator.floordiv, operator.mod) and swap:
+            continue
+        x = fn(other, x) if swap else fn(x, other)
+    return x
 
 
 def test_printing_outside_rendering_shows_the_value() -> None:
@@ -165,3 +171,85 @@ def test_an_encoder_over_lengths_builds_once(monkeypatch: pytest.MonkeyPatch) ->
             counts.append(len(runs))
     torch._dynamo.reset()
     assert counts[1] == counts[-1], counts
+
+
+def test_a_rewritten_op_keeps_the_sizes_its_inputs_give_it() -> None:
+    """infer_meta (a rewrite's new node) puts a Size wherever trial runs at other symbol
+    values show the result follows one: the batch of a convolution, the rows of a
+    flattening view; never where the value merely coincides (16 channels at batch 16), and
+    two symbols equal at this size stay apart."""
+    from opfuse.ir.graph import GraphBuilder, TensorMeta
+    from opfuse.ir.meta import infer_meta
+
+    aten = torch.ops.aten
+    n, h = Size.symbol("s0", 16), Size.symbol("s1", 16)
+    b = GraphBuilder()
+    x = b.add("input", (), meta=TensorMeta((n, 16, h, 8), (16 * h * 8, h * 8, 8, 1), torch.float32))
+    w = b.add("input", (), meta=TensorMeta((16, 16, 3, 3), (144, 9, 3, 1), torch.float32))
+    conv = infer_meta(
+        aten.convolution.default, (x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 1), {}
+    )
+    assert conv.shape == (16, 16, 16, 8)
+    assert [type(s) is Size for s in conv.shape] == [True, False, True, False]
+    with symbolic_text():
+        assert (str(conv.shape[0]), str(conv.shape[2])) == ("opfuse_s0", "opfuse_s1")
+        assert "opfuse_s1" in str(conv.stride[0])
+    assert value_at(conv.stride[0], {"opfuse_s1": 5}) == 16 * 5 * 8
+    rows = infer_meta(aten.view.default, (x, [n * 16 * h, 8]), {})
+    assert isinstance(rows.shape[0], Size) and value_at(rows.shape[0], {"opfuse_s0": 3}) == 768
+    flat = infer_meta(aten.view.default, (x, [-1]), {})  # s0 * 16 * s1 * 8: no known Size
+    assert flat.shape == (16 * 16 * 16 * 8,) and not isinstance(flat.shape[0], Size)
+
+
+class _ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.Conv2d(16, 16, 3, padding=1, groups=16), nn.ReLU(), nn.Conv2d(16, 32, 1),
+        )  # fmt: skip
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x).mean((2, 3)))
+
+
+def test_a_conv_net_over_batch_sizes_builds_per_size_range(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """opfuse.compile over batch sizes: past the export with the batch symbolic, sizes of
+    one range share the C build, through BatchNorm folding, channels-last, depthwise rows
+    and the 1x1 convolution's GEMM tiles."""
+    import opfuse
+
+    torch.manual_seed(0)
+    model = _ConvNet().eval()
+    f = opfuse.compile(model, (torch.randn(2, 3, 16, 16),))
+    runs = count_compiler_runs(monkeypatch)
+    counts = []
+    with torch.no_grad():
+        for b in (3, 5, 6, 7):
+            x = torch.randn(b, 3, 16, 16)
+            torch.testing.assert_close(f(x), model(x), rtol=1e-4, atol=1e-4)
+            counts.append(len(runs))
+    assert counts[0] == counts[-1], counts
+
+
+def test_gemm_tiles_print_one_expression_per_size_range() -> None:
+    """The tile of rows is a closed form of M (ir/size.py prints it): every M of a regime
+    gets the same text, where halving until the tile fit printed a step per doubling."""
+    from opfuse.lower import epilogue
+
+    texts = set()
+    for m in (9000, 14000, 30000, 61000):
+        spec = _FakeSpec(Size.symbol("s0", m // 8) * 8, 384)
+        tm, tn = epilogue.tiles(spec, threads=2)  # type: ignore[arg-type]
+        assert tm * tn <= epilogue.TILE_MAX_ELEMENTS and tm % 16 == 0
+        with symbolic_text():
+            texts.add(str(tm))
+    assert len(texts) == 1, texts
+
+
+class _FakeSpec:
+    def __init__(self, m: int, n: int) -> None:
+        self.m, self.n, self.batch = m, n, 1

@@ -7,16 +7,23 @@ from typing import Any
 import torch
 
 from .graph import Node, TensorMeta, map_args
+from .size import Size, value_at
 
 
-def _fake(m: TensorMeta) -> torch.Tensor:
-    return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
+def _fake(m: TensorMeta, at: dict[str, int] | None = None) -> torch.Tensor:
+    """An empty meta tensor laid out as m; with `at`, its Sizes at those symbol values."""
+    shape, stride = m.shape, m.stride
+    if at is not None:
+        shape = tuple(value_at(s, at) for s in shape)
+        stride = tuple(value_at(s, at) for s in stride)
+    return torch.empty_strided(shape, stride, dtype=m.dtype, device="meta")
 
 
 def infer_meta(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run `target` on meta tensors standing in for the Node arguments. The result lives
     on the device an argument names (a factory's `device=`, opfuse.seed's), else on the
-    first tensor argument's."""
+    first tensor argument's. Where the arguments carry Sizes (a graph with symbolic
+    sizes), so does the result, wherever it provably follows them (_with_sizes)."""
     device = _named_device(args, kwargs)
     if device is None:
         device = "cpu"
@@ -24,13 +31,130 @@ def infer_meta(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
             if isinstance(a.meta, TensorMeta):
                 device = a.meta.device
                 break
-    margs = tuple(_on_meta(map_args(a, lambda n: _fake(n.tensor))) for a in args)
-    mkwargs = {
-        k: "meta" if k == "device" else map_args(v, lambda n: _fake(n.tensor))
-        for k, v in kwargs.items()
-    }
-    out = target(*margs, **mkwargs)
-    return _to_meta(out, device)
+    meta = _to_meta(_run(target, args, kwargs, None), device)
+    known = _sizes_in(args, kwargs)
+    return _with_sizes(meta, target, args, kwargs, known) if known else meta
+
+
+def _run(
+    target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], at: dict[str, int] | None
+) -> Any:
+    def sub(v: Any) -> Any:
+        if isinstance(v, Node):
+            return _fake(v.tensor, at)
+        if isinstance(v, torch.device):
+            return "meta"
+        if at is not None and isinstance(v, Size):
+            return value_at(v, at)
+        if isinstance(v, (tuple, list)):
+            return type(v)(sub(x) for x in v)
+        return v
+
+    margs = tuple(sub(a) for a in args)
+    mkwargs = {k: "meta" if k == "device" else sub(v) for k, v in kwargs.items()}
+    return target(*margs, **mkwargs)
+
+
+def _sizes_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Size]:
+    """The Sizes the arguments carry: their tensors' sizes, strides and offsets, and the
+    Sizes among the other arguments (a view's shape); one per expression."""
+    found: dict[str, Size] = {}
+
+    def visit(v: Any) -> None:
+        if isinstance(v, Node):
+            if isinstance(v.meta, TensorMeta):
+                m = v.meta
+                for x in (*m.shape, *m.stride, m.offset):
+                    visit(x)
+        elif isinstance(v, Size):
+            found.setdefault(v.text, v)
+        elif isinstance(v, (tuple, list)):
+            for x in v:
+                visit(x)
+
+    for v in (*args, *kwargs.values()):
+        visit(v)
+    return list(found.values())
+
+
+# How far each symbol moves in the two trial runs: apart for every symbol, so that two
+# symbols equal at this size are told apart.
+_TRIALS = ((3, 7, 13, 19, 29, 37, 43, 53), (5, 11, 17, 23, 31, 41, 47, 59))
+
+
+def _with_sizes(
+    meta: Any, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], known: list[Size]
+) -> Any:
+    """`meta` with a Size in each place where one of the `known` Sizes (or, for a stride,
+    the dense stride over the result's own Sizes) gives its value at this size and also
+    at two other values of the symbols, in trial runs of the op. Anything else stays an
+    int: correct, only specific to this size. Sound by the same argument as ir/size.py:
+    the printed expression is checked to give the value every decision read."""
+    names = sorted({n for k in known for n, _ in k.leaves})
+    if len(names) > len(_TRIALS[0]):
+        return meta
+    values = dict(k for s in known for k in s.leaves)
+    trials = [{n: values[n] + d for n, d in zip(names, ds)} for ds in _TRIALS]
+    try:
+        outs = [_to_meta(_run(target, args, kwargs, t), "meta") for t in trials]
+    except Exception:  # the op admits no other sizes (a shape a constant fixes)
+        return meta
+
+    def pick(v0: int, vs: list[int], cands: list[int]) -> int:
+        if all(v == v0 for v in vs):
+            return v0
+        for c in (*cands, *_scaled(known, v0)):
+            if int(c) == v0 and all(value_at(c, t) == v for t, v in zip(trials, vs)):
+                return c
+        return v0
+
+    def one(m: TensorMeta, others: list[TensorMeta]) -> TensorMeta:
+        if any(o is None or o.ndim != m.ndim for o in others):
+            return m
+        shape = tuple(
+            pick(v, [o.shape[i] for o in others], list(known)) for i, v in enumerate(m.shape)
+        )
+        dense = _dense_strides(shape, m.stride)
+        stride = tuple(
+            pick(v, [o.stride[i] for o in others], [dense[i], *known])
+            for i, v in enumerate(m.stride)
+        )
+        offset = pick(m.offset, [o.offset for o in others], list(known))
+        return TensorMeta(shape, stride, m.dtype, m.device, offset)
+
+    def walk(m: Any, others: list[Any]) -> Any:
+        if isinstance(m, TensorMeta):
+            return one(m, others)
+        if isinstance(m, tuple) and all(isinstance(o, tuple) and len(o) == len(m) for o in others):
+            return tuple(walk(x, [o[i] for o in others]) for i, x in enumerate(m))
+        return m
+
+    return walk(meta, outs)
+
+
+def _scaled(known: list[Size], v0: int) -> list[int]:
+    """Known Sizes times or divided by the int that gives v0 (a view flattening the batch
+    into rows: s0 * 1024; an unflatten: (s0 * 1024) // 1024 stays s0's expression)."""
+    out: list[int] = []
+    for c in known:
+        k = int(c)
+        if k and v0 % k == 0:
+            out.append(c * (v0 // k))
+        if v0 and k % v0 == 0:
+            out.append(c // (k // v0))
+    return out
+
+
+def _dense_strides(shape: tuple[int, ...], stride: tuple[int, ...]) -> list[int]:
+    """The strides of a dense tensor of `shape` with its dims in the order `stride` puts
+    them (outermost first; equal strides in dim order), as Size arithmetic."""
+    order = sorted(range(len(shape)), key=lambda i: (-int(stride[i]), i))
+    out = [1] * len(shape)
+    acc: int = 1
+    for i in reversed(order):
+        out[i] = acc
+        acc = acc * shape[i]
+    return out
 
 
 def _named_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
@@ -49,10 +173,6 @@ def device_name(d: torch.device) -> str:
         if mod is not None and hasattr(mod, "current_device") and mod.is_available():
             return f"{d.type}:{mod.current_device()}"
     return str(d)
-
-
-def _on_meta(v: Any) -> Any:
-    return "meta" if isinstance(v, torch.device) else v
 
 
 def _to_meta(v: Any, device: str) -> Any:

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
+import operator
 from collections.abc import Iterator
 from typing import Any
 
@@ -98,6 +100,27 @@ class Size(int):
 
     def __pos__(self) -> Any:
         return self
+
+
+def value_at(x: int, values: dict[str, int]) -> int:
+    """x's value where the size symbols take `values` (by C name; a symbol not named keeps
+    its own); a plain int is itself."""
+    if not isinstance(x, Size):
+        return int(x)
+    env = {n: values.get(n, v) for n, v in x.leaves}
+    return int(eval(_code(x.text), _EVAL_GLOBALS, env))  # our own expression text
+
+
+@functools.lru_cache(maxsize=4096)
+def _code(text: str) -> Any:
+    return compile(text, "<size>", "eval")
+
+
+_EVAL_GLOBALS: dict[str, Any] = {
+    "__builtins__": {},
+    "opfuse_floordiv": operator.floordiv,
+    "opfuse_floormod": operator.mod,
+}
 
 
 def gcd(a: int, b: int) -> int:

@@ -241,8 +241,14 @@ def tiles(spec: GemmSpec, threads: int, epilogue: bool = True) -> tuple[int, int
     if epilogue:
         while tm * tn > TILE_MAX_ELEMENTS and tn > 512:
             tn = _round_up(tn // 2, 64)
-        while tm * tn > TILE_MAX_ELEMENTS and tm > 128:
-            tm = _round_up(tm // 2, 16)
+        if tm * tn > TILE_MAX_ELEMENTS and tm > 128:
+            # the fewest equal pieces of at most 3/4 of the cap (what halving until it
+            # fit gave on average), as one expression of m: with symbolic sizes
+            # (ir/size.py) every m of this regime prints the same tile, where halving
+            # printed one more step per doubling of m, at thresholds each layer has its own
+            fit = max(128, TILE_MAX_ELEMENTS * 3 // 4 // tn // 16 * 16)
+            pieces = -(-tm // fit)
+            tm = _round_up(-(-tm // pieces), 16)
     tm = whole_rounds(m, tm, -(-n // tn), threads)
     return min(tm, m), min(tn, n)
 

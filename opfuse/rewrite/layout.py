@@ -104,8 +104,20 @@ def has_format(m: TensorMeta, fmt: torch.memory_format) -> bool:
 
 
 def _cl_meta(m: TensorMeta) -> TensorMeta:
-    t = torch.empty(m.shape, device="meta").contiguous(memory_format=_cl(m.ndim))
-    return TensorMeta(m.shape, tuple(t.stride()), m.dtype, m.device)
+    """m laid out channels-last: computed from its sizes, so that Sizes (a graph with
+    symbolic sizes) stay expressions in the strides."""
+    # as torch's x.contiguous(memory_format=...) of a contiguous x: x itself where its
+    # strides already are channels-last (C == 1, or H == W == 1)
+    for order in (range(m.ndim), (0, *range(2, m.ndim), 1)):  # outermost first
+        stride = [1] * m.ndim
+        acc: int = 1
+        for i in reversed(order):
+            stride[i] = acc
+            acc = acc * m.shape[i]
+        meta = TensorMeta(m.shape, tuple(stride), m.dtype, m.device)
+        if has_format(meta, _cl(m.ndim)):
+            return meta
+    raise AssertionError("unreachable: the second order is channels-last")
 
 
 class _Relayer:
