@@ -340,10 +340,12 @@ class CompiledModule(torch.nn.Module):
         """Compile again from the model's live parameters and buffers on the next call.
         Changes made through torch are seen by themselves; this is for writes that bypass
         torch's version counters (`p.data.add_()`, `p.data = t`, through numpy)."""
+        from .rewrite.batchnorm import forget_folds
         from .runtime.execute import forget_packs
 
         with self._lock:
             forget_packs()
+            forget_folds()
             self._invalidate(recapture=True)
 
     def _invalidate(self, recapture: bool) -> None:

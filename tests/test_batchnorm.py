@@ -262,3 +262,35 @@ def conv_bn(draw):  # type: ignore[no-untyped-def]
 def test_random_conv_bn_folds_and_matches_eager(case) -> None:  # type: ignore[no-untyped-def]
     m, x = case
     check_folded(m, x)
+
+
+def test_a_batchnorm_is_folded_once_for_every_shape() -> None:
+    """opfuse.compile over several batch sizes folds each BatchNorm once (the folded weight
+    is shared by the graphs of every shape), and again once its statistics change."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU()).eval()
+    m[1].running_mean.normal_()
+    m[1].running_var.uniform_(0.5, 2)
+    f = opfuse.compile(m, (torch.randn(2, 3, 10, 10),))
+    with torch.no_grad():
+        for b in (3, 5):
+            x = torch.randn(b, 3, 10, 10)
+            torch.testing.assert_close(f(x), m(x))
+
+    def folded() -> set[int]:
+        return {
+            t.data_ptr()
+            for e in f._entries.values()
+            if e.compiled is not None
+            for k, t in e.compiled.graph.constants.items()
+            if k.endswith("weight_folded")
+        }
+
+    assert len(f._entries) == 3 and len(before := folded()) == 1
+    with torch.no_grad():
+        m[1].running_mean.add_(0.5)  # a new version: folded anew, not found by the old key
+        x = torch.randn(4, 3, 10, 10)
+        with pytest.warns(RuntimeWarning, match="modified in place"):
+            got = f(x)
+        torch.testing.assert_close(got, m(x))
+    assert folded() and not folded() & before

@@ -19,11 +19,13 @@ def _fake(m: TensorMeta, at: dict[str, int] | None = None) -> torch.Tensor:
     return torch.empty_strided(shape, stride, dtype=m.dtype, device="meta")
 
 
-def infer_meta(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def infer_meta(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], like: Any = None) -> Any:
     """Run `target` on meta tensors standing in for the Node arguments. The result lives
     on the device an argument names (a factory's `device=`, opfuse.seed's), else on the
     first tensor argument's. Where the arguments carry Sizes (a graph with symbolic
-    sizes), so does the result, wherever it provably follows them (_with_sizes)."""
+    sizes), so does the result, wherever it provably follows them (_with_sizes). `like`:
+    the meta a node had before a rewrite re-infers it; kept, Sizes and all, where the
+    values come out the same."""
     device = _named_device(args, kwargs)
     if device is None:
         device = "cpu"
@@ -32,6 +34,8 @@ def infer_meta(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
                 device = a.meta.device
                 break
     meta = _to_meta(_run(target, args, kwargs, None), device)
+    if like is not None and meta == like:
+        return like  # a node re-inferred as it was: its Sizes hold, no trial runs
     known = _sizes_in(args, kwargs)
     return _with_sizes(meta, target, args, kwargs, known) if known else meta
 

@@ -16,7 +16,9 @@ g's slice, so the scale is applied along dim 1 within each group, not along dim 
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -171,6 +173,45 @@ def fold_weights(
     return _flush(w_new.to(weight.dtype)), _flush(b_new.to(bias_dtype))
 
 
+# Folded weights by what they were folded from (each tensor's storage, address and version
+# counter, and the fold's numbers): opfuse.compile over many input shapes folds each
+# BatchNorm once (ResNet-50: 0.33 s a shape). An entry lives while a compiled graph holds
+# its folded weight, which holds the tensors it came from: no other tensor can take their
+# storage and be found by the old key.
+_folds: weakref.WeakValueDictionary[Any, torch.Tensor] = weakref.WeakValueDictionary()
+
+
+def _shared_fold(
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    gamma: torch.Tensor | None,
+    beta: torch.Tensor | None,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    eps: float,
+    **how: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    sources = (weight, bias, gamma, beta, mean, var)
+    key = (
+        *(None if t is None else (t.untyped_storage()._cdata, t.data_ptr(), t._version)
+          for t in sources),
+        *(None if t is None else (t.shape, t.stride(), t.dtype) for t in sources),
+        eps,
+        tuple(sorted(how.items())),
+    )  # fmt: skip
+    w = _folds.get(key)
+    if w is None:
+        w, b = fold_weights(weight, bias, gamma, beta, mean, var, eps, **how)
+        w._opfuse_fold = (b, sources)  # type: ignore[attr-defined]
+        _folds[key] = w
+    return w, w._opfuse_fold[0]  # type: ignore[attr-defined]
+
+
+def forget_folds() -> None:
+    """Fold every BatchNorm anew: after writes the version counters do not see."""
+    _folds.clear()
+
+
 def _flush(t: torch.Tensor) -> torch.Tensor:
     """Zero values that are subnormal in t's dtype."""
     tiny = torch.finfo(t.dtype).tiny
@@ -186,7 +227,7 @@ def _fold(b: GraphBuilder, graph: Graph, bn: Node, plan: _Plan) -> Node:
     src = x.source
     if plan.kind == "conv":
         inp, weight, bias, stride, padding, dilation, transposed, out_pad, groups = x.args
-        w, bb = fold_weights(
+        w, bb = _shared_fold(
             consts[weight.name],
             consts[bias.name] if bias is not None else None,
             gamma,
@@ -215,7 +256,7 @@ def _fold(b: GraphBuilder, graph: Graph, bn: Node, plan: _Plan) -> Node:
     # linear: addmm(bias, x, W.t()) or mm(x, W.t())
     bias = x.args[0] if x.op == "aten.addmm.default" else None
     inp = x.args[1] if x.op == "aten.addmm.default" else x.args[0]
-    w, bb = fold_weights(
+    w, bb = _shared_fold(
         consts[plan.weight.name],
         consts[bias.name] if isinstance(bias, Node) else None,
         gamma,

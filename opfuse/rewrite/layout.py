@@ -149,7 +149,7 @@ class _Relayer:
         kwargs = {k: map_args(v, b.get) for k, v in n.kwargs}
         if n.op in _VIEWS:
             try:
-                meta = infer_meta(n.target, args, kwargs)
+                meta = infer_meta(n.target, args, kwargs, like=n.meta)
             except RuntimeError:
                 # the view needs the old layout: make it contiguous first (one copy)
                 src = args[0]
@@ -161,7 +161,7 @@ class _Relayer:
             assert isinstance(parent, Node) and isinstance(i, int)
             meta = parent.meta[i]
         else:
-            meta = infer_meta(n.target, args, kwargs)
+            meta = infer_meta(n.target, args, kwargs, like=n.meta)
             if n.op == CONV:
                 meta = _conv_layout(args, meta)
         new = b.add(n.op, args, kwargs, meta=meta, name=n.name, source=n.source, target=n.target)
