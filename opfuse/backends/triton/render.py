@@ -292,6 +292,8 @@ def render_kernel(name: str, k: Kernel, checks: bool = True) -> str:
     The jit function prints a graph's symbolic sizes (ir/size.py) as parameters, which the
     launcher passes as this size's values: every size of the graph renders the same jit
     function, which Triton compiles once per block shape and integer specialisation."""
+    from . import split as _split  # it renders with this module's pieces
+
     outer = k.outer_size
     counter = [0]
     body: list[str] = []
@@ -300,6 +302,8 @@ def render_kernel(name: str, k: Kernel, checks: bool = True) -> str:
         if not k.inner:
             xblock, rblock = min(XBLOCK_POINTWISE, _pow2(outer)), 1
             _pointwise(k, tests, body, counter)
+        elif (pieces := _split.pieces(k)) > 1:
+            return _split.render(name, k, pieces, tests, seen)
         else:
             rblock = min(RBLOCK_MAX, _pow2(k.inner_size))
             xblock = max(1, min(_pow2(outer), REDUCTION_TILE // rblock))
@@ -457,17 +461,27 @@ def _rows(k: Kernel, checks: Sequence[Expr], lines: list[str], counter: list[int
 
 
 def _pass(
-    k: Kernel, p: Pass, em: _Emitter, lines: list[str], ind: str, checks: Sequence[Expr]
+    k: Kernel,
+    p: Pass,
+    em: _Emitter,
+    lines: list[str],
+    ind: str,
+    checks: Sequence[Expr],
+    span: tuple[str, str] | None = None,
 ) -> None:
+    """One pass over the rows: its lanes, the loop over `span` (the whole row, or one
+    program's piece of it: split.py), its stores; with the whole row, its results and the
+    stores after it."""
     for a in p.accumulates:
         for f, init in _lane_fields(a):
             v, t = _initial(a, f, init)
             lines.append(f"{ind}{a.name}_l{f} = tl.full([XBLOCK, RBLOCK], {v}, {t})")
+    lo, hi = span or ("0", f"{k.inner_size}")
     body = ind + "    "
-    lines.append(f"{ind}for roff in range(0, {k.inner_size}, RBLOCK):")
+    lines.append(f"{ind}for roff in range({lo}, {hi}, RBLOCK):")
     lines.append(f"{body}rl = (roff + tl.arange(0, RBLOCK)[None, :]).to(tl.int64)")
     lines.append(f"{body}rzero = xzero + rl * 0")
-    lines.append(f"{body}rmask = xmask & (rl < {k.inner_size})")
+    lines.append(f"{body}rmask = xmask & (rl < {hi})")
     _delinearize(k.inner, "rl", lines, body)
     em.scopes.append({})
     em.mask, em.zero = "rmask", "rzero"
@@ -478,6 +492,8 @@ def _pass(
     _stores(em, p.stores, lines, body)
     em.scopes.pop()
     em.mask, em.zero = "xmask", "xzero"
+    if span is not None:
+        return
     for a in p.accumulates:
         _finish(a, lines, ind)
     _stores(em, p.after, lines, ind)
