@@ -636,3 +636,23 @@ def test_public_names_and_entry_points_resolve() -> None:
     backends = {e.name: e for e in entry_points(group="torch_dynamo_backends")}
     assert callable(scripts["opfuse"].load())
     assert callable(backends["opfuse"].load())
+
+
+def test_reports_of_graphs_compiled_on_another_thread_are_collected() -> None:
+    """Autograd runs a GPU graph's backward, and compiles it, on the device's own thread
+    (an H200 run's training report missed every backward group): what collect_reports and
+    explain gather comes from every thread."""
+    import threading
+
+    from opfuse.frontend import dynamo
+
+    torch._dynamo.reset()
+    f = torch.compile(lambda t: (t.sin() * 2).sum(1), backend="opfuse")
+    with dynamo.listening() as reports:
+        worker = threading.Thread(target=lambda: f(torch.randn(4, 8)))
+        worker.start()
+        worker.join()
+    assert len(reports) == 1 and reports[0].groups
+    f(torch.randn(4, 8))  # served from the cache: nothing is reported any more
+    assert len(reports) == 1
+    torch._dynamo.reset()

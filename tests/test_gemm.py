@@ -200,9 +200,7 @@ def test_torch_compile_inference_packs_parameters_and_follows_them() -> None:
 
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(64, 96), nn.Tanh(), nn.Linear(96, 40)).eval()
-    reports = []
-    dynamo._listeners.sinks = [reports]
-    try:
+    with dynamo.listening() as reports:
         torch._dynamo.reset()
         f = torch.compile(m, backend="opfuse", options={"implementation": "opfuse-gemm"})
         x = torch.randn(16, 64)
@@ -216,9 +214,7 @@ def test_torch_compile_inference_packs_parameters_and_follows_them() -> None:
             assert_matches_eager(m, f(x), (x,))
             m[2].weight = nn.Parameter(torch.randn(40, 96))  # another tensor
             assert_matches_eager(m, f(x), (x,))
-    finally:
-        dynamo._listeners.sinks = []
-        torch._dynamo.reset()
+    torch._dynamo.reset()
 
 
 def test_training_graphs_pack_their_weights_on_every_call(monkeypatch: Any) -> None:
@@ -233,9 +229,7 @@ def test_training_graphs_pack_their_weights_on_every_call(monkeypatch: Any) -> N
     m = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 8))
     ref = nn.Sequential(nn.Linear(32, 48), nn.ReLU(), nn.Linear(48, 8))
     ref.load_state_dict(m.state_dict())
-    reports: list[Any] = []
-    dynamo._listeners.sinks = [reports]
-    try:
+    with dynamo.listening() as reports:
         torch._dynamo.reset()
         f = torch.compile(m, backend="opfuse", options={"implementation": "opfuse-gemm"})
         opt, opt_ref = torch.optim.SGD(m.parameters(), 0.1), torch.optim.SGD(ref.parameters(), 0.1)
@@ -249,9 +243,7 @@ def test_training_graphs_pack_their_weights_on_every_call(monkeypatch: Any) -> N
         used = [g.implementation for r in reports for g in r.groups]
         assert any(u.startswith("opfuse-gemm") for u in used), used
         assert not kept
-    finally:
-        dynamo._listeners.sinks = []
-        torch._dynamo.reset()
+    torch._dynamo.reset()
 
 
 def test_sizes_compiled_apart_share_one_packed_weight(monkeypatch: Any) -> None:
@@ -270,9 +262,7 @@ def test_sizes_compiled_apart_share_one_packed_weight(monkeypatch: Any) -> None:
 
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(64, 96), nn.Tanh(), nn.Linear(96, 40)).eval()
-    reports: list[Any] = []
-    dynamo._listeners.sinks = [reports]
-    try:
+    with dynamo.listening() as reports:
         torch._dynamo.reset()
         opts = {"implementation": "opfuse-gemm"}
         f = torch.compile(m, backend="opfuse", dynamic=True, options=opts)
@@ -291,6 +281,4 @@ def test_sizes_compiled_apart_share_one_packed_weight(monkeypatch: Any) -> None:
                 x = torch.randn(rows, 64)
                 assert_matches_eager(m, f(x), (x,))
             assert packed == [(64, 96)], packed
-    finally:
-        dynamo._listeners.sinks = []
-        torch._dynamo.reset()
+    torch._dynamo.reset()

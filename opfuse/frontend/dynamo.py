@@ -4,11 +4,12 @@ entry point, so it works without importing opfuse first."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,8 +27,29 @@ from .replay import Facts, learn, twice_differentiable
 
 log = logging.getLogger("opfuse")
 
-# Reports of graphs compiled on this thread go here while collect_reports() listens.
-_listeners = threading.local()
+# Reports of graphs compiled while collect_reports() listens, on any thread: autograd runs a
+# GPU graph's backward, and compiles it, on the device's own thread.
+_sinks: list[list[FusionReport]] = []
+_sinks_lock = threading.Lock()
+
+
+def _report(report: FusionReport) -> None:
+    with _sinks_lock:
+        for sink in _sinks:
+            sink.append(report)
+
+
+@contextlib.contextmanager
+def listening() -> Iterator[list[FusionReport]]:
+    """The reports of every graph compiled inside, on whichever thread."""
+    sink: list[FusionReport] = []
+    with _sinks_lock:
+        _sinks.append(sink)
+    try:
+        yield sink
+    finally:
+        with _sinks_lock:
+            _sinks[:] = [s for s in _sinks if s is not sink]
 
 
 # Input signatures one graph compiles for, by default: dynamo hands graphs with symbolic
@@ -106,8 +128,7 @@ class _GraphRunner:
         self.cache[self._key(args)] = entry
         if entry is not None:
             self.pooled += sum(entry[0].run.plan.pool_sizes)
-            for sink in getattr(_listeners, "sinks", []):
-                sink.append(entry[0].report)
+            _report(entry[0].report)
 
     def __call__(self, args: list[Any]) -> Any:
         args = [_unit_strides(a) for a in args]
@@ -207,8 +228,7 @@ GENERIC_SHARE = 0.5
 def _tell(note: str) -> None:
     """Log a note on symbolic sizes and put it in the reports being collected."""
     log.info("%s", note)
-    for sink in getattr(_listeners, "sinks", []):
-        sink.append(FusionReport(dynamic=[note]))
+    _report(FusionReport(dynamic=[note]))
 
 
 class _Generic:
@@ -395,9 +415,7 @@ def collect_reports(
     """Run `model` once under torch.compile(backend=opfuse) (and, with `backward`, the
     backward of the sum of its outputs that require grad) and merge the reports of every
     graph compiled meanwhile."""
-    sinks: list[FusionReport] = []
-    _listeners.sinks = [*getattr(_listeners, "sinks", []), sinks]
-    try:
+    with listening() as sinks:
         torch._dynamo.reset()
         compiled = torch.compile(model, backend=opfuse_backend)
         out = compiled(*args, **kwargs)
@@ -407,8 +425,6 @@ def collect_reports(
             leaves = [t for t in flatten(out)[0] if t.requires_grad]
             if leaves:
                 torch.autograd.backward([t.sum() for t in leaves])
-    finally:
-        _listeners.sinks = [s for s in _listeners.sinks if s is not sinks]
     report = FusionReport()
     for r in sinks:
         report = report.merge(r)
