@@ -202,11 +202,12 @@ def test_a_rewritten_op_keeps_the_sizes_its_inputs_give_it() -> None:
 
 
 class _ConvNet(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, depthwise: bool) -> None:
         super().__init__()
+        mid = nn.Conv2d(16, 16, 3, padding=1, groups=16 if depthwise else 1)
         self.body = nn.Sequential(
             nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-            nn.Conv2d(16, 16, 3, padding=1, groups=16), nn.ReLU(), nn.Conv2d(16, 32, 1),
+            mid, nn.ReLU(), nn.Conv2d(16, 32, 1),
         )  # fmt: skip
         self.head = nn.Linear(32, 10)
 
@@ -218,21 +219,29 @@ def test_a_conv_net_over_batch_sizes_builds_per_size_range(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """opfuse.compile over batch sizes: past the export with the batch symbolic, sizes of
-    one range share the C build, through BatchNorm folding, channels-last, depthwise rows
-    and the 1x1 convolution's GEMM tiles."""
+    one range share the C build, through BatchNorm folding, channels-last and the 1x1
+    convolution's GEMM tiles. A depthwise convolution keeps opfuse's kernel, whose
+    geometry is each size's own (a build per size, the speed of a static compile)."""
     import opfuse
 
-    torch.manual_seed(0)
-    model = _ConvNet().eval()
-    f = opfuse.compile(model, (torch.randn(2, 3, 16, 16),))
-    runs = count_compiler_runs(monkeypatch)
-    counts = []
-    with torch.no_grad():
-        for b in (3, 5, 6, 7):
-            x = torch.randn(b, 3, 16, 16)
-            torch.testing.assert_close(f(x), model(x), rtol=1e-4, atol=1e-4)
-            counts.append(len(runs))
-    assert counts[0] == counts[-1], counts
+    for depthwise in (False, True):
+        torch.manual_seed(0)
+        model = _ConvNet(depthwise).eval()
+        f = opfuse.compile(model, (torch.randn(2, 3, 16, 16),))
+        runs = count_compiler_runs(monkeypatch)
+        counts = []
+        with torch.no_grad():
+            for b in (3, 5, 6, 7):
+                x = torch.randn(b, 3, 16, 16)
+                torch.testing.assert_close(f(x), model(x), rtol=1e-4, atol=1e-4)
+                counts.append(len(runs))
+        if not depthwise:
+            assert counts[0] == counts[-1], counts
+        else:
+            last = list(f._entries.values())[-1]
+            assert last.compiled is not None
+            used = [g.implementation for g in last.compiled.report.groups]
+            assert any("opfuse-dw" in u.split(" ")[0] for u in used), used
 
 
 def test_gemm_tiles_print_one_expression_per_size_range() -> None:

@@ -10,6 +10,7 @@
   opfuse.compile at the first length (which exports it again with the length symbolic at
   the second), each length timed against eager and against opfuse compiled for that length
   alone (static).
+- A convolution network over batch sizes, the same way (serving sees every batch size).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from .tables import Result
 from .timing import time_interleaved
 
 LENGTHS = (16, 32, 64, 96, 128, 192, 256, 512)
+BATCHES = (1, 2, 3, 4, 6, 8)
 
 
 class _Counter:
@@ -96,8 +98,6 @@ def run_generate(reps: int, new_tokens: int = 64, prompt_len: int = 16, layers: 
 
 def run_lengths(reps: int, lengths: tuple[int, ...] = LENGTHS, layers: int = 12) -> list[Result]:
     """BERT-base over `lengths`: one dynamic compile against a static compile per length."""
-    import opfuse
-
     torch.manual_seed(0)
     model = models.realistic(models.BertEncoder(layers=layers))
 
@@ -105,17 +105,44 @@ def run_lengths(reps: int, lengths: tuple[int, ...] = LENGTHS, layers: int = 12)
         g = torch.Generator().manual_seed(s)
         return (torch.randint(0, 30522, (1, s), generator=g), torch.ones(1, s, dtype=torch.long))
 
+    return _over_sizes(model, inputs, lengths, "bert_base length {}", reps)
+
+
+def run_batches(
+    reps: int, batches: tuple[int, ...] = BATCHES, name: str = "mobilenet_v2"
+) -> list[Result]:
+    """A convolution network over batch sizes (serving): the same rows as `run_lengths`, the
+    batch the symbolic size (BatchNorm folded, channels-last, convolutions as rows)."""
+    model, (x,) = models.build(name, 1)
+
+    def inputs(b: int) -> tuple[torch.Tensor, ...]:
+        return (torch.randn(b, *x.shape[1:], generator=torch.Generator().manual_seed(b)),)
+
+    return _over_sizes(model, inputs, batches, f"{name} batch {{}}", reps)
+
+
+def _over_sizes(
+    model: torch.nn.Module,
+    inputs: Callable[[int], tuple[torch.Tensor, ...]],
+    sizes: tuple[int, ...],
+    label: str,
+    reps: int,
+) -> list[Result]:
+    """`model` called at each of `sizes` in turn: under torch.compile(dynamic=True), compiled
+    with opfuse.compile at the first size, and compiled for that size alone (static)."""
+    import opfuse
+
     torch._dynamo.reset()
     counter = _Counter(_backend("opfuse"))
     dyn = torch.compile(model, backend=counter, dynamic=True)
     before, builds, exported_builds = compiles(), 0, 0
     with torch.no_grad():
         built = compiler_runs()
-        once = opfuse.compile(model, inputs(lengths[0]))
+        once = opfuse.compile(model, inputs(sizes[0]))
         exported_builds += compiler_runs() - built
     out: list[Result] = []
-    for s in lengths:
-        res = Result(f"bert_base length {s}", "dynamic")
+    for s in sizes:
+        res = Result(label.format(s), "dynamic")
         x = inputs(s)
         with torch.no_grad():
             expected = model(*x)
@@ -133,11 +160,11 @@ def run_lengths(reps: int, lengths: tuple[int, ...] = LENGTHS, layers: int = 12)
             res.compiles["compile() builds"] = exported_builds
             static = opfuse.compile(model, x)
         if not torch.allclose(got, expected, rtol=1e-3, atol=1e-3):
-            res.error = f"length {s}: dynamic compile differs from eager"
+            res.error = f"{res.case}: dynamic compile differs from eager"
             out.append(res)
             continue
         if not torch.allclose(got_once, expected, rtol=1e-3, atol=1e-3):
-            res.error = f"length {s}: opfuse.compile differs from eager"
+            res.error = f"{res.case}: opfuse.compile differs from eager"
             out.append(res)
             continue
         res.timings = time_interleaved(

@@ -332,8 +332,8 @@ def _dynamic_table(rows: list[Result]) -> list[str]:
         "the row (a static graph, the static regions of a symbolic one together, each "
         "size of one compiled per size); C builds: libraries the C compiler built for them "
         "(sizes whose kernels render the same source share one, ir/size.py). opfuse.compile: "
-        "the model compiled with opfuse.compile at the first length and called with each "
-        "(the second length exports it with the length symbolic, later ones are captured "
+        "the model compiled with opfuse.compile at the first size and called with each "
+        "(the second size exports it with that size symbolic, later ones are captured "
         "from that export, frontend/symbolic.py). vs opfuse static: the time of opfuse "
         "compiled for that length alone over torch.compile's.",
         "",
