@@ -69,6 +69,12 @@ class TensorMeta:
         )
 
 
+def contents(t: torch.Tensor) -> tuple[int, int, int]:
+    """Which elements a tensor holds, now: its storage, address and version counter (a
+    key for copies made from it: packed weights, folded BatchNorms)."""
+    return (t.untyped_storage()._cdata, t.data_ptr(), t._version)
+
+
 def device_type(device: str) -> str:
     """'cuda:1' -> 'cuda'."""
     return device.split(":")[0]

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from ..ir.graph import CONSTANT, GETITEM, Graph, GraphBuilder, Node
+from ..ir.graph import CONSTANT, GETITEM, Graph, GraphBuilder, Node, contents
 from ..ir.ops import short
 
 aten = torch.ops.aten
@@ -181,28 +181,18 @@ def fold_weights(
 _folds: weakref.WeakValueDictionary[Any, torch.Tensor] = weakref.WeakValueDictionary()
 
 
-def _shared_fold(
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    gamma: torch.Tensor | None,
-    beta: torch.Tensor | None,
-    mean: torch.Tensor,
-    var: torch.Tensor,
-    eps: float,
-    **how: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    sources = (weight, bias, gamma, beta, mean, var)
+def _shared_fold(*args: Any, **how: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """fold_weights(*args, **how), found by what it is folded from where it was made."""
     key = (
-        *(None if t is None else (t.untyped_storage()._cdata, t.data_ptr(), t._version)
-          for t in sources),
-        *(None if t is None else (t.shape, t.stride(), t.dtype) for t in sources),
-        eps,
+        *((contents(a), a.shape, a.stride(), a.dtype) if isinstance(a, torch.Tensor) else a
+          for a in args),
         tuple(sorted(how.items())),
     )  # fmt: skip
     w = _folds.get(key)
     if w is None:
-        w, b = fold_weights(weight, bias, gamma, beta, mean, var, eps, **how)
-        w._opfuse_fold = (b, sources)  # type: ignore[attr-defined]
+        w, b = fold_weights(*args, **how)
+        # the sources held: their storage cannot be freed and found again by the old key
+        w._opfuse_fold = (b, args)  # type: ignore[attr-defined]
         _folds[key] = w
     return w, w._opfuse_fold[0]  # type: ignore[attr-defined]
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ..ir.graph import TensorMeta
+from ..ir.graph import TensorMeta, contents
 from .arena import new_arena
 from .finite import FiniteGuard
 
@@ -70,7 +70,7 @@ class Packed:
         self._state: tuple[torch.Tensor, int, int, int, torch.Tensor] | None = None
 
     def address(self, t: torch.Tensor) -> int:
-        key = _contents(t)
+        key = contents(t)
         state = self._state  # one read: another thread may replace it meanwhile
         if state is None or state[1:4] != key:
             state = (t, *key, _shared_pack(self.pack, t, key))
@@ -82,11 +82,6 @@ class Packed:
 # it, and that Packed holds the tensor it came from: its storage cannot be freed and its
 # address taken by another tensor while the entry can be found.
 _packs: weakref.WeakValueDictionary[Any, torch.Tensor] = weakref.WeakValueDictionary()
-
-
-def _contents(t: torch.Tensor) -> tuple[int, int, int]:
-    """Which elements a tensor holds, now: its storage, address and version counter."""
-    return (t.untyped_storage()._cdata, t.data_ptr(), t._version)
 
 
 def _shared_pack(
@@ -103,7 +98,7 @@ def pack_frozen(pack: Callable[[torch.Tensor], torch.Tensor], t: torch.Tensor) -
     """A frozen weight packed at compile time, shared with every other compile that packs
     it alike (opfuse.compile over many input shapes: one copy, not one per shape). The
     copy keeps `t` alive, so no other tensor can take its place in the table unseen."""
-    packed = _shared_pack(pack, t, _contents(t))
+    packed = _shared_pack(pack, t, contents(t))
     packed._opfuse_source = t  # type: ignore[attr-defined]
     return packed
 
