@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch._dynamo.exc import RestartAnalysis
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ..options import Options
@@ -361,6 +362,8 @@ def opfuse_backend(
         if relaid is not None:
             try:
                 return twice_differentiable(backend(relaid, example_inputs), relaid, facts)
+            except RestartAnalysis:  # dynamo's own signal (specialise a scalar, trace again)
+                raise
             except Exception as e:  # a view only NCHW allows: trace the graph as it was
                 log.debug("channels-last declined: %s: %s", type(e).__name__, e)
         return twice_differentiable(backend(gm, example_inputs), gm, facts)
