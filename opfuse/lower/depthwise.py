@@ -17,9 +17,9 @@ from .epilogue import (
     _name,
     _read_tile_slot,
     const_root,
+    even_tiles,
     in_place,
     tile_slots,
-    whole_rounds,
 )
 from .kernel import Kernel
 from .lowering import NotFusable, _Lowering, lower_on_domain
@@ -105,11 +105,7 @@ def lower_depthwise(
     oh = (h + top + bottom - dilation[0] * (kh - 1) - 1) // stride[0] + 1
     ow = (wd + left + right - dilation[1] * (kw - 1) - 1) // stride[1] + 1
     # the kernel reads the top and left padding; the bottom and right ones are in OH, OW
-    # The kernel's geometry is this size's values: with symbolic sizes (a batch that varies)
-    # it is specific to the size, and so is the library that holds it -- a build per size,
-    # where refusing it made every size of a depthwise net 1.36x slower (MobileNetV2 b8)
-    dims = (n, h, wd, c, oh, ow, kh, kw, stride[0], stride[1], top, left, *dilation)
-    geo = Geometry(*(int(v) for v in dims))
+    geo = Geometry(n, h, wd, c, oh, ow, kh, kw, stride[0], stride[1], top, left, *dilation)
     if kh * kw > MAX_TAPS:
         raise NotFusable(f"a {kh}x{kw} window (the depthwise kernel holds {MAX_TAPS} taps)")
     nhwc = (h * wd * c, 1, wd * c, c)
@@ -126,7 +122,7 @@ def lower_depthwise(
     kernel, low = lower_on_domain(graph, epi or [anchor], (rows, c), {anchor: value})
     buf = low.in_buffers[anchor].name
     _check_tile_local(kernel, buf)
-    tm = whole_rounds(rows, max(1, min(-(-rows // threads), TILE_FLOATS // c)), 1, threads)
+    tm = even_tiles(rows, max(1, TILE_FLOATS // c), threads)
     k = DepthwiseKernel(
         name=_name(anchor, epi),
         ops=(anchor.op, *(m.op for m in epi)),

@@ -25,11 +25,11 @@ from .depthwise import DepthwiseKernel
 from .epilogue import (
     GemmKernel,
     GemmSpec,
+    even_tiles,
     lower_blocked,
     own_gemm,
     tile_index,
     tile_slots,
-    whole_rounds,
 )
 from .kernel import Buffer, Kernel
 from .lowering import NotFusable
@@ -209,8 +209,7 @@ def _fuse(
         raise NotFusable("the rows are read by others too")
     epi = dk.epilogue if dk.in_place else store_in_tile(dk.epilogue, out, c)
     n = spec.n
-    tm = max(1, min(-(-dk.rows // threads), TILE_FLOATS // (2 * c + n)))
-    tm = whole_rounds(dk.rows, tm, 1, threads)
+    tm = even_tiles(dk.rows, max(1, TILE_FLOATS // (2 * c + n)), threads)
     gk = own_gemm(lower_blocked(graph, anchor, members, threads, tile=(tm, n)))
     return DwGemmKernel(
         name=dk.name + "_" + gk.name.removeprefix("fused_"),

@@ -196,8 +196,9 @@ class GemmKernel:
 def tile_slots(n_tiles: int, threads: int) -> int:
     """Tile slots in a tiled kernel's scratch, one per thread that may run (the kernel runs
     on no more): a slot for every thread this machine has, in case the caller raises the
-    thread count after compiling, and never more slots than tiles."""
-    return min(n_tiles, max(threads, os.cpu_count() or 1))
+    thread count after compiling, and never more slots than tiles. (The constant first:
+    where the two are equal, min returns it, and a symbolic tile count prints the same.)"""
+    return min(max(threads, os.cpu_count() or 1), n_tiles)
 
 
 def whole_rounds(m: int, tm: int, n_cols: int, threads: int) -> int:
@@ -209,6 +210,14 @@ def whole_rounds(m: int, tm: int, n_cols: int, threads: int) -> int:
         rounds = -(-(n_rows * n_cols) // threads)
         tm = -(-m // -(-(threads * rounds) // n_cols))  # more, shorter rows of tiles
     return tm
+
+
+def even_tiles(m: int, cap: int, threads: int) -> int:
+    """Rows per tile: the fewest tiles of at most `cap` rows that come in whole rounds of
+    `threads`, all of one height (whole_rounds' result, or tiles more even), as one
+    expression of m: with symbolic sizes (ir/size.py) every m prints the same tile."""
+    pieces = threads * -(-m // (threads * cap))
+    return -(-m // pieces)
 
 
 def in_place(epilogue: Kernel, result: str) -> bool:
