@@ -5,7 +5,7 @@ report = opfuse.explain(model, example_inputs)    # what fused, what did not, an
 torch.compile(model, backend="opfuse")            # inference and training
 """
 
-from .api import CompiledModule, RecompileError, compile, explain
+from .api import CompiledModule, RecompileError, compile, explain, refresh
 from .frontend.fold import fold_batchnorm
 from .options import Options
 from .report.tables import FusionReport
@@ -53,4 +53,5 @@ __all__ = [
     "explain",
     "fold_batchnorm",
     "keep_freed_memory",
+    "refresh",
 ]

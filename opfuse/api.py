@@ -557,6 +557,17 @@ def _fallback_message(e: Exception) -> str:
     )
 
 
+def refresh() -> None:
+    """Under `torch.compile(backend="opfuse")`, an inference graph reads each weight its
+    GEMMs use through a packed copy, made again when the parameter is replaced or its
+    version counter moves. After writes that bypass version counters (`p.data.mul_()`,
+    through numpy), call this: every compiled graph packs its weights again on its next
+    call. (A module from opfuse.compile has its own `.refresh()`.)"""
+    from .runtime.execute import forget_packs
+
+    forget_packs()
+
+
 def explain(
     model: torch.nn.Module | Callable[..., Any],
     example_inputs: Any,

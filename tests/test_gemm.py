@@ -195,7 +195,8 @@ def test_an_updated_weight_is_packed_again() -> None:
 def test_torch_compile_inference_packs_parameters_and_follows_them() -> None:
     """Under torch.compile the weights are graph inputs: in an inference graph opfuse's
     GEMM packs a parameter on the first call and again whenever it changes in place or
-    is replaced."""
+    is replaced; after a write no version counter sees, once opfuse.refresh() is
+    called."""
     from opfuse.frontend import dynamo
 
     torch.manual_seed(0)
@@ -213,6 +214,9 @@ def test_torch_compile_inference_packs_parameters_and_follows_them() -> None:
             m[2].weight.copy_(torch.randn(40, 96))
             assert_matches_eager(m, f(x), (x,))
             m[2].weight = nn.Parameter(torch.randn(40, 96))  # another tensor
+            assert_matches_eager(m, f(x), (x,))
+            m[0].weight.data.mul_(0.5)  # a write no version counter sees
+            opfuse.refresh()
             assert_matches_eager(m, f(x), (x,))
     torch._dynamo.reset()
 
