@@ -43,7 +43,7 @@ def channels_last_convolutions(gm: torch.fx.GraphModule) -> torch.fx.GraphModule
     ):
         return None
     new = torch.fx.GraphModule(gm, _copy_graph(gm.graph))
-    new.meta.update(gm.meta)  # what dynamo tells AOTAutograd (parameter names, sources)
+    _keep_dynamo_facts(gm, new)
     g = new.graph
     for n in g.nodes:
         if n.op != "call_function" or n.target not in _CONVS:
@@ -72,6 +72,20 @@ def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     out = g.graph_copy(graph, {})
     g.output(out)
     return g
+
+
+def _keep_dynamo_facts(gm: torch.fx.GraphModule, new: torch.fx.GraphModule) -> None:
+    """What dynamo tells AOTAutograd beside the graph: the compile's id, parameter names
+    and each input's source, from which AOTAutograd learns which inputs are parameters
+    (`static_input_indices`). Without the sources it took the copy for an export's graph
+    with none: conv nets' inference graphs had their weights packed on every call."""
+    new.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        new._param_name_to_source = gm._param_name_to_source
+    old_inputs = gm.graph.find_nodes(op="placeholder")
+    for a, b in zip(old_inputs, new.graph.find_nodes(op="placeholder"), strict=True):
+        if hasattr(a, "_dynamo_source"):
+            b._dynamo_source = a._dynamo_source
 
 
 def _as_eager(g: torch.fx.Graph, v: torch.fx.Node) -> torch.fx.Node:
