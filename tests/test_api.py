@@ -167,9 +167,9 @@ def test_torch_compile_backend_compiles_each_graph_for_a_bounded_number_of_shape
     compiles: list[int] = []
     real = dynamo._GraphRunner._compile
 
-    def counting(self: Any, args: Any) -> Any:
+    def counting(self: Any, *args: Any) -> Any:
         compiles.append(1)
-        return real(self, args)
+        return real(self, *args)
 
     monkeypatch.setattr(dynamo._GraphRunner, "_compile", counting)
     pipeline._warned.clear()

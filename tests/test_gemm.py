@@ -193,17 +193,18 @@ def test_an_updated_weight_is_packed_again() -> None:
 
 
 def test_torch_compile_inference_packs_parameters_and_follows_them() -> None:
-    """Under torch.compile the weights are graph inputs: in an inference graph opfuse's
-    GEMM packs a parameter on the first call and again whenever it changes in place or
-    is replaced; after a write no version counter sees, once opfuse.refresh() is
-    called."""
+    """In a torch.compile inference graph with symbolic sizes the weights stay graph
+    inputs (test_parameters: a static one freezes them): opfuse's GEMM packs a parameter
+    on the first call and again whenever it changes in place or is replaced; after a
+    write no version counter sees, once opfuse.refresh() is called."""
     from opfuse.frontend import dynamo
 
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(64, 96), nn.Tanh(), nn.Linear(96, 40)).eval()
     with dynamo.listening() as reports:
         torch._dynamo.reset()
-        f = torch.compile(m, backend="opfuse", options={"implementation": "opfuse-gemm"})
+        opts = {"implementation": "opfuse-gemm"}
+        f = torch.compile(m, backend="opfuse", dynamic=True, options=opts)
         x = torch.randn(16, 64)
         with torch.no_grad():
             assert_matches_eager(m, f(x), (x,))
@@ -223,9 +224,11 @@ def test_torch_compile_inference_packs_parameters_and_follows_them() -> None:
 
 def test_a_conv_net_under_torch_compile_packs_its_1x1_weights_once(monkeypatch: Any) -> None:
     """The channels-last copy of dynamo's graph keeps what dynamo tells AOTAutograd (the
-    inputs' sources), so AOTAutograd still knows the weights for parameters: a 1x1
-    convolution run as opfuse's GEMM reads a packed copy, as a Linear's does (ResNet-50 b1
-    through torch.compile 37-39 -> 31-32 ms), which follows the weight's changes."""
+    inputs' sources), so AOTAutograd still knows the weights for parameters: in a graph
+    with symbolic sizes (a static one freezes them) a 1x1 convolution run as opfuse's
+    GEMM reads a packed copy, as a Linear's does (ResNet-50 b1 through torch.compile,
+    before inference graphs froze their parameters: 37-39 -> 31-32 ms), which follows
+    the weight's changes."""
     from opfuse.frontend import dynamo
     from opfuse.runtime import plan
 
@@ -235,7 +238,8 @@ def test_a_conv_net_under_torch_compile_packs_its_1x1_weights_once(monkeypatch: 
     torch.manual_seed(0)
     m = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 24, 1)).eval()
     torch._dynamo.reset()
-    f = torch.compile(m, backend="opfuse", options={"implementation": "opfuse-gemm"})
+    opts = {"implementation": "opfuse-gemm"}
+    f = torch.compile(m, backend="opfuse", dynamic=True, options=opts)
     x = torch.randn(2, 8, 10, 10)
     with torch.no_grad(), dynamo.listening() as reports:
         assert_matches_eager(m, f(x), (x,))

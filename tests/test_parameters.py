@@ -222,3 +222,54 @@ def test_modules_built_inside_a_compiled_forward_do_not_recompile_it() -> None:
             torch.testing.assert_close(f(x), m(x))
     assert len(graphs) == 1
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("change", sorted(CHANGES))
+def test_torch_compile_inference_freezes_parameters_and_follows_them(change: str) -> None:
+    """Under torch.compile an inference graph takes its parameters as constants (BatchNorm
+    folded, convolutions prepacked, as opfuse.compile does) while the same tensors come
+    unchanged; any change torch sees, or a `p.data = t`, compiles it again."""
+    from opfuse import pipeline
+    from opfuse.frontend import dynamo
+
+    m, x = _net()
+    torch._dynamo.reset()
+    pipeline._warned.clear()
+    f = torch.compile(m, backend="opfuse")
+    with torch.no_grad(), dynamo.listening() as reports:
+        assert_matches_eager(m, f(x), (x,))
+        assert reports[-1].folds  # the BatchNorm folded into the convolution
+        before = dynamo.compiles()
+        assert_matches_eager(m, f(x), (x,))
+        assert dynamo.compiles() == before
+        CHANGES[change](m)
+        with pytest.warns(RuntimeWarning, match="compiling it again"):
+            out = f(x)
+        assert_matches_eager(m, out, (x,))
+        m.conv.weight.data = m.conv.weight.detach() * 0.5
+        assert_matches_eager(m, f(x), (x,))
+        m.fc.weight.data.mul_(2.0)  # unseen by any counter: opfuse.refresh()
+        opfuse.refresh()
+        assert_matches_eager(m, f(x), (x,))
+    torch._dynamo.reset()
+
+
+def test_torch_compile_inference_stops_freezing_parameters_that_keep_changing() -> None:
+    from opfuse import pipeline
+    from opfuse.frontend import dynamo
+
+    m, x = _net()
+    torch._dynamo.reset()
+    pipeline._warned.clear()
+    f = torch.compile(m, backend="opfuse")
+    with torch.no_grad(), pytest.warns(RuntimeWarning) as seen:
+        for _ in range(dynamo.FREEZE_CHANGES + 2):
+            assert_matches_eager(m, f(x), (x,))
+            m.fc.weight.mul_(0.9)
+    assert any("now reads them as inputs" in str(w.message) for w in seen)
+    before = dynamo.compiles()
+    with torch.no_grad():
+        m.fc.weight.mul_(0.9)
+        assert_matches_eager(m, f(x), (x,))
+    assert dynamo.compiles() == before
+    torch._dynamo.reset()

@@ -370,13 +370,18 @@ def module_calls_fx(module: torch.nn.Module) -> list[tuple[str, str | None, int]
 
 # -- AOTAutograd graphs (torch.compile backend) -----------------------------------------
 def capture_fx(
-    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], static: Collection[int] = ()
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    static: Collection[int] = (),
+    frozen: Collection[int] = (),
 ) -> tuple[Graph, list[int]]:
     """Convert an ATen-level fx graph, re-deriving every shape from `example_inputs`
     (concrete tensors, or fake ones with static shapes). Returns the graph and, per graph
     input, its position among the fx graph's arguments (sizes passed as ints are baked in).
     The arguments at the positions in `static` are the same tensors on every call (a
-    module's parameters and buffers, as dynamo passes them): their input nodes say so."""
+    module's parameters and buffers, as dynamo passes them): their input nodes say so.
+    Those at the positions in `frozen` become constants (the tensors given, which must be
+    real), as an eval-mode opfuse.compile freezes them: folded, prepacked, laid out."""
     vals = _propagate(gm, example_inputs)
     symbolic = [n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"]
     binding = sizes.bind(symbolic, example_inputs)
@@ -387,7 +392,10 @@ def capture_fx(
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             v = vals[n]
-            if isinstance(v, torch.Tensor):
+            given = example_inputs[k]
+            if k in frozen and isinstance(given, torch.Tensor):
+                placeholders[n.name] = ("constant", (n.name, given.detach()))
+            elif isinstance(v, torch.Tensor):
                 placeholders[n.name] = ("input", ("user", k))
                 positions.append(k)
                 if k in static:

@@ -25,6 +25,7 @@ from .capture import capture_fx
 from .decompose import decompositions, keep_whole
 from .dynamic import has_symbols, install, split_static, static_share, symbols
 from .replay import Facts, learn, twice_differentiable
+from .watch import FrozenInputs
 
 log = logging.getLogger("opfuse")
 
@@ -88,16 +89,23 @@ class _GraphRunner:
         compile_now: bool = True,
         static: frozenset[int] = frozenset(),
         budget: int | None = None,
+        frozen: frozenset[int] = frozenset(),
     ) -> None:
         self.gm = gm
         self.static = static  # inputs that are parameters (capture_fx)
+        # parameters compiled in as constants (an inference graph's): each compile serves
+        # the calls that pass the same tensors, unchanged (watch.FrozenInputs)
+        self.frozen = frozen
+        self.watches: dict[tuple[Any, ...], FrozenInputs] = {}
+        self.changes = 0  # compiles again because a frozen parameter changed
         self.fallback = fallback
         self.options = options
         self.cache_limit = cache_limit
         self.budget = budget  # bytes of memory pools the kept signatures may hold together
         self.pooled = 0
         self.cache: dict[tuple[Any, ...], tuple[CompiledGraph, list[int]] | None] = {}
-        if compile_now and not has_symbols(example_inputs) and cache_limit > 0:
+        # (frozen parameters need their values: AOTAutograd's example inputs are fake)
+        if compile_now and not frozen and not has_symbols(example_inputs) and cache_limit > 0:
             self._compile([_unit_strides(a) for a in example_inputs])
 
     def _key(self, args: Sequence[Any]) -> tuple[Any, ...]:
@@ -108,38 +116,72 @@ class _GraphRunner:
             for a in args
         )
 
-    def _compile(self, args: Sequence[Any]) -> tuple[CompiledGraph, list[int]] | None:
+    def _compile(
+        self, args: Sequence[Any], given: Sequence[Any] | None = None
+    ) -> tuple[CompiledGraph, list[int]] | None:
+        """`given`: the arguments as they came (the frozen ones are watched as such)."""
         _compiled[0] += 1
         entry: tuple[CompiledGraph, list[int]] | None
         try:
             # AOTAutograd may call the compiler with its fake-tensor mode still active:
             # constant folding and autotuning compute with real tensors.
             with unset_fake_temporarily():
-                graph, positions = capture_fx(self.gm, args, self.static)
+                graph, positions = capture_fx(self.gm, args, self.static, self.frozen)
                 compiled = compile_graph(graph, self.options, count_kernels(graph))
             entry = (compiled, positions)
         except Exception as e:  # never crash a model eager runs: run this graph with torch
             warn_once(f"opfuse: graph falls back to torch ({type(e).__name__}: {e})")
             entry = None
         self.keep(args, entry)
+        if entry is not None and self.frozen:
+            self.watches[self._key(args)] = FrozenInputs(sorted(self.frozen), given or args)
         return entry
 
     def keep(self, args: Sequence[Any], entry: tuple[CompiledGraph, list[int]] | None) -> None:
         """Serve calls with `args`' signature by `entry` (None: with torch)."""
-        self.cache[self._key(args)] = entry
+        key = self._key(args)
+        old = self.cache.get(key)
+        if old is not None:  # compiled again (a frozen parameter changed)
+            self.pooled -= sum(old[0].run.plan.pool_sizes)
+        self.cache[key] = entry
         if entry is not None:
             self.pooled += sum(entry[0].run.plan.pool_sizes)
             _report(entry[0].report)
 
-    def __call__(self, args: list[Any]) -> Any:
-        args = [_unit_strides(a) for a in args]
+    def _changed(self, key: tuple[Any, ...], args: list[Any], given: list[Any]) -> Any:
+        """A parameter compiled in as a constant was replaced or changed since (or
+        opfuse.refresh() was called): compile again from the live values; after
+        FREEZE_CHANGES of those, stop freezing (a model evaluated between training
+        steps) and compile with the parameters as inputs."""
+        self.changes += 1
+        if self.changes > FREEZE_CHANGES:
+            warn_once(
+                f"opfuse: the parameters of an inference graph changed {FREEZE_CHANGES} "
+                "times since it was compiled with them as constants; it now reads them as "
+                "inputs (no BatchNorm folding, no prepacked convolutions)"
+            )
+            self.frozen = frozenset()
+            self.cache, self.watches, self.pooled = {}, {}, 0
+        else:
+            warn_once(
+                "opfuse: a parameter an inference graph was compiled with as a constant "
+                "changed (or opfuse.refresh() was called): compiling it again"
+            )
+        self.watches.pop(key, None)
+        return self._compile(args, given)
+
+    def __call__(self, given: list[Any]) -> Any:
+        args = [_unit_strides(a) for a in given]
         key = self._key(args)
         if key in self.cache:
             entry = self.cache[key]
+            watch = self.watches.get(key)
+            if watch is not None and not watch.holds(given):
+                entry = self._changed(key, args, given)
         elif len(self.cache) < self.cache_limit and (
             self.budget is None or self.pooled < self.budget
         ):
-            entry = self._compile(args)
+            entry = self._compile(args, given)
         else:
             rest = (
                 "its static parts fused, the rest with torch"
@@ -187,11 +229,13 @@ def _compiler(
     options: Options | None = None,
     cache_limit: int | None = None,
     static: frozenset[int] = frozenset(),
+    frozen: frozenset[int] = frozenset(),
 ) -> Callable[..., Any]:
     """`static`: the inputs that are the model's parameters and buffers, in an inference
     graph (opfuse's GEMM keeps a packed copy of such a weight, packed again when it
-    changes). `cache_limit` None: CACHE_LIMIT, or SIZES_LIMIT and POOL_BUDGET for a graph
-    with symbolic sizes."""
+    changes); `frozen`: those the graph does not write, compiled in as constants where its
+    sizes are static. `cache_limit` None: CACHE_LIMIT, or SIZES_LIMIT and POOL_BUDGET for
+    a graph with symbolic sizes."""
     from torch._functorch.aot_autograd import make_boxed_func
 
     opts = options or Options(freeze=False)
@@ -214,10 +258,21 @@ def _compiler(
             "one compile of its static regions serves the sizes past them"
         )
     runner = _GraphRunner(
-        gm, example_inputs, opts, cache_limit, fallback, static=static, budget=budget
+        gm,
+        example_inputs,
+        opts,
+        cache_limit,
+        fallback,
+        static=static,
+        budget=budget,
+        frozen=frozenset() if symbolic else frozen,
     )
     return make_boxed_func(lambda *a: runner(list(a)))
 
+
+# An inference graph compiled with its parameters as constants compiles again when one
+# changes; after this many changes it reads them as inputs instead.
+FREEZE_CHANGES = 3
 
 # A graph with symbolic sizes compiles once, for every size, when at least this share of its
 # ops have static sizes (a decode step: all but attention over the cache); below it, fusing
@@ -322,11 +377,17 @@ def _forward_compiler(
         meta.bw_donated_idxs = []
     learn(facts, gm)
     static: frozenset[int] = frozenset()
+    frozen: frozenset[int] = frozenset()
     if meta is not None and not getattr(meta, "traced_tangents", [None]):
         # An inference graph (no gradient flows back): its parameters are inputs the
         # caller passes unchanged from call to call, where a training step moves them all.
+        # Those the graph does not write (a BatchNorm's running statistics in training
+        # mode) are frozen in as an eval-mode opfuse.compile freezes them.
         static = frozenset(getattr(meta, "static_input_indices", None) or ())
-    return _compiler(gm, example_inputs, options, cache_limit, static)
+        info = getattr(meta, "input_info", None) or []
+        written = {i for i, x in enumerate(info) if x.mutates_data or x.mutates_metadata}
+        frozen = static - written
+    return _compiler(gm, example_inputs, options, cache_limit, static, frozen)
 
 
 def opfuse_backend(

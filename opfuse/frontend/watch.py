@@ -16,9 +16,12 @@ registration hooks move, so that replacements cost nothing until one happens.
 from __future__ import annotations
 
 import operator
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+from ..runtime.execute import packs_epoch
 
 _VERSION = operator.attrgetter("_version")
 _ADDRESS = torch.Tensor.data_ptr
@@ -136,3 +139,27 @@ def _plain_holder(model: torch.nn.Module, name: str) -> tuple[dict[str, Any] | N
     if mod is None or key in mod._parameters or key in mod._buffers:
         return None, key
     return (mod.__dict__, key) if isinstance(mod.__dict__.get(key), torch.Tensor) else (None, key)
+
+
+class FrozenInputs:
+    """Graph inputs a torch.compile inference graph was compiled with as constants (the
+    parameters and buffers dynamo passes in): the compile serves a call only if the same
+    tensors come, unchanged (identity, one sum of version counters, their addresses: a
+    `p.data = t` moves no counter), and no `opfuse.refresh()` came in between. ~30 us for
+    MobileNetV2's 262 tensors."""
+
+    def __init__(self, positions: Sequence[int], args: Sequence[Any]) -> None:
+        self.positions = tuple(positions)
+        self.tensors = [args[k] for k in self.positions]
+        self.version = sum(map(_VERSION, self.tensors))
+        self.addresses = list(map(_ADDRESS, self.tensors))
+        self.epoch = packs_epoch()
+
+    def holds(self, args: Sequence[Any]) -> bool:
+        given = [args[k] for k in self.positions]
+        return (
+            all(map(operator.is_, given, self.tensors))
+            and sum(map(_VERSION, self.tensors)) == self.version
+            and list(map(_ADDRESS, self.tensors)) == self.addresses
+            and self.epoch == packs_epoch()
+        )

@@ -116,6 +116,12 @@ def forget_packs() -> None:
 _epoch = [0]  # moved by forget_packs: a Packed's copy from before it is stale
 
 
+def packs_epoch() -> int:
+    """Moves whenever packed and frozen copies of parameters are to be made again
+    (`forget_packs`: opfuse.refresh, CompiledModule.refresh)."""
+    return _epoch[0]
+
+
 KernelArg = In | Out | Const | Scratch | Packed
 
 
