@@ -192,60 +192,85 @@ def test_an_updated_weight_is_packed_again() -> None:
     assert_matches_eager(lin, out, (x,))
 
 
-def test_torch_compile_inference_packs_parameters_and_follows_them() -> None:
-    """In a torch.compile inference graph with symbolic sizes the weights stay graph
-    inputs (test_parameters: a static one freezes them): opfuse's GEMM packs a parameter
-    on the first call and again whenever it changes in place or is replaced; after a
-    write no version counter sees, once opfuse.refresh() is called."""
-    from opfuse.frontend import dynamo
+class _WithCache(nn.Module):
+    """`body` on a static input, its result appended to a cache whose length is
+    symbolic: dynamo's graph has static regions, compiled once with the weights as
+    inputs (a graph compiled per size, or a static one, freezes them instead)."""
 
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Linear(64, 96), nn.Tanh(), nn.Linear(96, 40)).eval()
-    with dynamo.listening() as reports:
-        torch._dynamo.reset()
-        opts = {"implementation": "opfuse-gemm"}
-        f = torch.compile(m, backend="opfuse", dynamic=True, options=opts)
-        x = torch.randn(16, 64)
-        with torch.no_grad():
-            assert_matches_eager(m, f(x), (x,))
-            used = [g.implementation for r in reports for g in r.groups]
-            assert sum(u.startswith("opfuse-gemm") for u in used) == 2, used
-            m[0].weight.mul_(-1.5)  # in place: its version counter moves
-            assert_matches_eager(m, f(x), (x,))
-            m[2].weight.copy_(torch.randn(40, 96))
-            assert_matches_eager(m, f(x), (x,))
-            m[2].weight = nn.Parameter(torch.randn(40, 96))  # another tensor
-            assert_matches_eager(m, f(x), (x,))
-            m[0].weight.data.mul_(0.5)  # a write no version counter sees
-            opfuse.refresh()
-            assert_matches_eager(m, f(x), (x,))
-    torch._dynamo.reset()
+    def __init__(self, body: nn.Module) -> None:
+        super().__init__()
+        self.body = body
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        y = self.body(x).flatten(1)
+        return torch.cat([cache, y], 0).sum(0)
 
 
-def test_a_conv_net_under_torch_compile_packs_its_1x1_weights_once(monkeypatch: Any) -> None:
-    """The channels-last copy of dynamo's graph keeps what dynamo tells AOTAutograd (the
-    inputs' sources), so AOTAutograd still knows the weights for parameters: in a graph
-    with symbolic sizes (a static one freezes them) a 1x1 convolution run as opfuse's
-    GEMM reads a packed copy, as a Linear's does (ResNet-50 b1 through torch.compile,
-    before inference graphs froze their parameters: 37-39 -> 31-32 ms), which follows
-    the weight's changes."""
-    from opfuse.frontend import dynamo
+def _packed_in_regions(body: nn.Module, x: torch.Tensor, monkeypatch: Any) -> tuple[list[Any], Any]:
     from opfuse.runtime import plan
 
     made: list[Any] = []
     real = plan.Packed
     monkeypatch.setattr(plan, "Packed", lambda *a: made.append(a) or real(*a))
-    torch.manual_seed(0)
-    m = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 24, 1)).eval()
+    m = _WithCache(body).eval()
     torch._dynamo.reset()
-    opts = {"implementation": "opfuse-gemm"}
-    f = torch.compile(m, backend="opfuse", dynamic=True, options=opts)
+    f = torch.compile(m, backend="opfuse", options={"implementation": "opfuse-gemm"})
+    width = m.body(x).flatten(1).shape[1]
+
+    def run() -> None:
+        for rows in (3, 5, 7):  # the second length recompiles with it symbolic
+            cache = torch.randn(rows, width)
+            assert_matches_eager(m, f(x, cache), (x, cache))
+
+    return made, run
+
+
+def test_torch_compile_inference_packs_parameters_and_follows_them(monkeypatch: Any) -> None:
+    """In the static regions of a torch.compile inference graph with symbolic sizes the
+    weights stay graph inputs (test_parameters: a static graph freezes them): opfuse's
+    GEMM packs a parameter on the first call and again whenever it changes in place or
+    is replaced; after a write no version counter sees, once opfuse.refresh() is
+    called."""
+    from opfuse.frontend import dynamo
+
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(64, 96), nn.Tanh(), nn.Linear(96, 40))
+    x = torch.randn(16, 64)
+    made, run = _packed_in_regions(body, x, monkeypatch)
+    with dynamo.listening() as reports, torch.no_grad():
+        run()
+        assert any("static regions" in d for r in reports for d in r.dynamic)
+        assert made
+        body[0].weight.mul_(-1.5)  # in place: its version counter moves
+        run()
+        body[2].weight.copy_(torch.randn(40, 96))
+        run()
+        body[2].weight = nn.Parameter(torch.randn(40, 96))  # another tensor
+        run()
+        body[0].weight.data.mul_(0.5)  # a write no version counter sees
+        opfuse.refresh()
+        run()
+    torch._dynamo.reset()
+
+
+def test_a_conv_net_under_torch_compile_packs_its_1x1_weights_once(monkeypatch: Any) -> None:
+    """The channels-last copy of dynamo's graph keeps what dynamo tells AOTAutograd (the
+    inputs' sources), so AOTAutograd still knows the weights for parameters: in the static
+    regions of a graph with symbolic sizes a 1x1 convolution run as opfuse's GEMM reads a
+    packed copy, as a Linear's does (ResNet-50 b1 through torch.compile, before static
+    inference graphs froze their parameters: 37-39 -> 31-32 ms), which follows the
+    weight's changes."""
+    from opfuse.frontend import dynamo
+
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.Conv2d(16, 24, 1))
     x = torch.randn(2, 8, 10, 10)
+    made, run = _packed_in_regions(body, x, monkeypatch)
     with torch.no_grad(), dynamo.listening() as reports:
-        assert_matches_eager(m, f(x), (x,))
+        run()
         assert made and any(r.conv_rows for r in reports)
-        m[2].weight.mul_(-2.0)
-        assert_matches_eager(m, f(x), (x,))
+        body[2].weight.mul_(-2.0)
+        run()
     torch._dynamo.reset()
 
 
@@ -282,8 +307,11 @@ def test_sizes_compiled_apart_share_one_packed_weight(monkeypatch: Any) -> None:
     """A graph compiled once per size (here: rows symbolic, so each size compiles) packs
     each parameter once for all of its sizes, not once per size (BERT-base: 340 MB a
     size), and packs it again once when it changes."""
+    from opfuse import pipeline
     from opfuse.backends.c import gemm
     from opfuse.frontend import dynamo
+
+    pipeline._warned.clear()
 
     packed: list[tuple[int, int]] = []
     pack = gemm.OwnPack.__call__
@@ -308,9 +336,10 @@ def test_sizes_compiled_apart_share_one_packed_weight(monkeypatch: Any) -> None:
             assert sum(u.startswith("opfuse-gemm") for u in used) == 2 * len(sizes), used
             assert sorted(packed) == [(64, 96), (96, 40)], packed
             packed.clear()
-            m[0].weight.mul_(-1.5)
-            for rows in sizes:
-                x = torch.randn(rows, 64)
-                assert_matches_eager(m, f(x), (x,))
+            m[0].weight.mul_(-1.5)  # each size compiles again, with the weights frozen
+            with pytest.warns(RuntimeWarning, match="compiling it again"):
+                for rows in sizes:
+                    x = torch.randn(rows, 64)
+                    assert_matches_eager(m, f(x), (x,))
             assert packed == [(64, 96)], packed
     torch._dynamo.reset()

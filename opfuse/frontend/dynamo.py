@@ -265,7 +265,7 @@ def _compiler(
         fallback,
         static=static,
         budget=budget,
-        frozen=frozenset() if symbolic else frozen,
+        frozen=frozen,
     )
     return make_boxed_func(lambda *a: runner(list(a)))
 
