@@ -10,7 +10,9 @@ broadcast into later passes and into the stores made after the pass. The C sched
 Triton program already reads a tile of rows, so the whole kernel is rendered as one.
 
 Formatting only: formulas come from `scalar.PRIMS` (the `triton` column); what a renderer
-cannot express raises NotRenderable and the group runs with torch.
+cannot express raises NotRenderable and the group runs with torch. The pieces of a row pass
+(`Emitter`, `row_pass`, `lane_fields`, `initial`, `finish`, `emit_stores`, `outer_vars`,
+`pow2`) are public: split.py renders a row cut across programs with them.
 """
 
 from __future__ import annotations
@@ -238,7 +240,7 @@ def index(ix: Ix) -> str:
     return index_text(ix, _INDEX)
 
 
-class _Emitter(Namer):
+class Emitter(Namer):
     """Linearises Expr DAGs into Triton assignments, naming each value once per scope.
     `zero` is an int64 tensor of the scope's shape: added to an index it gives every
     position (and every scalar load) that shape."""
@@ -300,13 +302,13 @@ def render_kernel(name: str, k: Kernel, checks: bool = True) -> str:
     tests = k.checks if checks else ()
     with symbolic_text() as seen:
         if not k.inner:
-            xblock, rblock = min(XBLOCK_POINTWISE, _pow2(outer)), 1
+            xblock, rblock = min(XBLOCK_POINTWISE, pow2(outer)), 1
             _pointwise(k, tests, body, counter)
         elif (pieces := _split.pieces(k)) > 1:
             return _split.render(name, k, pieces, tests, seen)
         else:
-            rblock = min(RBLOCK_MAX, _pow2(k.inner_size))
-            xblock = max(1, min(_pow2(outer), REDUCTION_TILE // rblock))
+            rblock = min(RBLOCK_MAX, pow2(k.inner_size))
+            xblock = max(1, min(pow2(outer), REDUCTION_TILE // rblock))
             _rows(k, tests, body, counter)
     symbols = sorted(seen)
     lines = [f"# {name}: {', '.join(k.ops)}"]
@@ -347,14 +349,14 @@ def render_module(kernels: Sequence[str]) -> str:
     return "\n".join(head) + "\n\n" + "\n\n".join(kernels)
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
     p = 1
     while p < n:
         p *= 2
     return p
 
 
-def _outer_vars(k: Kernel, lines: list[str], indent: str, shape: str) -> None:
+def outer_vars(k: Kernel, lines: list[str], indent: str, shape: str) -> None:
     """xl: the flat outer positions this program owns; the outer variables from it (the
     last one varies fastest, as the C loop nest runs them)."""
     lines.append(
@@ -375,7 +377,7 @@ def _delinearize(vs: Sequence[Var], flat: str, lines: list[str], indent: str) ->
         stride *= v.extent
 
 
-def _stores(em: _Emitter, stores: Sequence[Store], lines: list[str], indent: str) -> None:
+def emit_stores(em: Emitter, stores: Sequence[Store], lines: list[str], indent: str) -> None:
     em.emit([s.value for s in stores], lines, indent)
     for s in stores:
         mask = em.mask
@@ -387,7 +389,7 @@ def _stores(em: _Emitter, stores: Sequence[Store], lines: list[str], indent: str
         )
 
 
-def _checks(em: _Emitter, checks: Sequence[Expr], lines: list[str], indent: str) -> None:
+def _checks(em: Emitter, checks: Sequence[Expr], lines: list[str], indent: str) -> None:
     em.emit(checks, lines, indent)
     for c in checks:
         lines.append(f"{indent}tl.store(err + {em.zero} * 0, 1, mask={em.mask} & {em.ref(c)})")
@@ -395,12 +397,12 @@ def _checks(em: _Emitter, checks: Sequence[Expr], lines: list[str], indent: str)
 
 def _pointwise(k: Kernel, checks: Sequence[Expr], lines: list[str], counter: list[int]) -> None:
     ind = "    "
-    _outer_vars(k, lines, ind, "")
-    em = _Emitter(counter)
+    outer_vars(k, lines, ind, "")
+    em = Emitter(counter)
     _checks(em, checks, lines, ind)
     for p in k.passes:
-        _stores(em, p.stores, lines, ind)
-        _stores(em, p.after, lines, ind)
+        emit_stores(em, p.stores, lines, ind)
+        emit_stores(em, p.after, lines, ind)
 
 
 _IDENTITY = {
@@ -411,7 +413,7 @@ _IDENTITY = {
 }
 
 
-def _lane_fields(a: Accumulate) -> tuple[tuple[str, str], ...]:
+def lane_fields(a: Accumulate) -> tuple[tuple[str, str], ...]:
     """(field, initial value) of each lane tensor."""
     r = a.row
     if r.family is Family.WELFORD:
@@ -432,7 +434,7 @@ _INT_EXTREMES = {
 }
 
 
-def _initial(a: Accumulate, field: str, init: str) -> tuple[str, str]:
+def initial(a: Accumulate, field: str, init: str) -> tuple[str, str]:
     """(initial value, Triton dtype) of one lane field."""
     t, r = a.acc_dtype, a.row
     if field == "index":
@@ -447,8 +449,8 @@ def _initial(a: Accumulate, field: str, init: str) -> tuple[str, str]:
 
 def _rows(k: Kernel, checks: Sequence[Expr], lines: list[str], counter: list[int]) -> None:
     ind = "    "
-    _outer_vars(k, lines, ind, "[:, None]")
-    em = _Emitter(counter)
+    outer_vars(k, lines, ind, "[:, None]")
+    em = Emitter(counter)
     stored = False
     for i, p in enumerate(k.passes):
         if stored:
@@ -456,14 +458,14 @@ def _rows(k: Kernel, checks: Sequence[Expr], lines: list[str], counter: list[int
             # GPU the element may have been stored by another thread of the program, and
             # only a barrier makes that store visible (the interpreter runs in order).
             lines.append(f"{ind}tl.debug_barrier()")
-        _pass(k, p, em, lines, ind, checks if i == 0 else ())
+        row_pass(k, p, em, lines, ind, checks if i == 0 else ())
         stored = stored or bool(p.stores)
 
 
-def _pass(
+def row_pass(
     k: Kernel,
     p: Pass,
-    em: _Emitter,
+    em: Emitter,
     lines: list[str],
     ind: str,
     checks: Sequence[Expr],
@@ -473,8 +475,8 @@ def _pass(
     program's piece of it: split.py), its stores; with the whole row, its results and the
     stores after it."""
     for a in p.accumulates:
-        for f, init in _lane_fields(a):
-            v, t = _initial(a, f, init)
+        for f, init in lane_fields(a):
+            v, t = initial(a, f, init)
             lines.append(f"{ind}{a.name}_l{f} = tl.full([XBLOCK, RBLOCK], {v}, {t})")
     lo, hi = span or ("0", f"{k.inner_size}")
     body = ind + "    "
@@ -489,17 +491,17 @@ def _pass(
     em.emit([a.value for a in p.accumulates], lines, body)
     for a in p.accumulates:
         _fold(a, em, lines, body)
-    _stores(em, p.stores, lines, body)
+    emit_stores(em, p.stores, lines, body)
     em.scopes.pop()
     em.mask, em.zero = "xmask", "xzero"
     if span is not None:
         return
     for a in p.accumulates:
-        _finish(a, lines, ind)
-    _stores(em, p.after, lines, ind)
+        finish(a, lines, ind)
+    emit_stores(em, p.after, lines, ind)
 
 
-def _fold(a: Accumulate, em: _Emitter, lines: list[str], ind: str) -> None:
+def _fold(a: Accumulate, em: Emitter, lines: list[str], ind: str) -> None:
     v = em.ref(a.value)
     n = a.name
     t = TL[a.acc_dtype]
@@ -534,7 +536,7 @@ def _fold(a: Accumulate, em: _Emitter, lines: list[str], ind: str) -> None:
         lines.append(f"{ind}{n}_ln = {n}_nn")
 
 
-def _finish(a: Accumulate, lines: list[str], ind: str) -> None:
+def finish(a: Accumulate, lines: list[str], ind: str) -> None:
     n, r = a.name, a.row
     fn = r.triton_merge
     if r.family in (Family.FOLD, Family.SELECT):

@@ -41,22 +41,22 @@ def render(name: str, k: Kernel, n: int, checks: Sequence[Expr], seen: dict[str,
     """The two jit functions and their launcher (render_kernel's contract)."""
     p = k.passes[0]
     fields = [
-        (f"ws_{a.name}_{f}", a, f, *r._initial(a, f, init))
+        (f"ws_{a.name}_{f}", a, f, *r.initial(a, f, init))
         for a in p.accumulates
-        for f, init in r._lane_fields(a)
+        for f, init in r.lane_fields(a)
     ]
     ws = [w for w, *_ in fields]
     counter = [0]
     first: list[str] = []
     ind = "    "
-    r._outer_vars(k, first, ind, "[:, None]")
+    r.outer_vars(k, first, ind, "[:, None]")
     first.append(f"{ind}rstart = tl.program_id(1).to(tl.int64) * CHUNK")
     first.append(f"{ind}rend = tl.minimum(rstart + CHUNK, {k.inner_size})")
-    em = r._Emitter(counter)
-    r._pass(k, p, em, first, ind, checks, span=("rstart", "rend"))
+    em = r.Emitter(counter)
+    r.row_pass(k, p, em, first, ind, checks, span=("rstart", "rend"))
     for a in p.accumulates:
-        lanes = [f"{a.name}_l{f}" for f, _ in r._lane_fields(a)]
-        parts = [f"{a.name}_p{f}" for f, _ in r._lane_fields(a)]
+        lanes = [f"{a.name}_l{f}" for f, _ in r.lane_fields(a)]
+        parts = [f"{a.name}_p{f}" for f, _ in r.lane_fields(a)]
         many = len(lanes) > 1
         first.append(
             f"{ind}{', '.join(parts)} = tl.reduce("
@@ -67,25 +67,25 @@ def render(name: str, k: Kernel, n: int, checks: Sequence[Expr], seen: dict[str,
             f"{ind}tl.store({w} + xl * {n} + tl.program_id(1), {a.name}_p{f}[:, None], mask=xmask)"
         )
     second: list[str] = []
-    r._outer_vars(k, second, ind, "[:, None]")
+    r.outer_vars(k, second, ind, "[:, None]")
     for w, a, f, init, t in fields:
         second.append(
             f"{ind}{a.name}_l{f} = tl.load({w} + xl * RBLOCK + tl.arange(0, RBLOCK)[None, :], "
             f"mask=xmask, other={init}).to({t})"
         )
     for a in p.accumulates:
-        r._finish(a, second, ind)
-    r._stores(r._Emitter(counter), p.after, second, ind)
+        r.finish(a, second, ind)
+    r.emit_stores(r.Emitter(counter), p.after, second, ind)
 
     symbols = sorted(seen)
     head = [b.name for b in k.buffers] + symbols
     err = ["err"] if checks else []
     piece = -(-int(k.inner_size) // n)
-    rblock = min(r.RBLOCK_MAX, r._pow2(piece))
+    rblock = min(r.RBLOCK_MAX, r.pow2(piece))
     chunk = -(-piece // rblock) * rblock  # whole RBLOCKs: each piece starts aligned
     outer = int(k.outer_size)
-    x1 = max(1, min(r._pow2(outer), r.REDUCTION_TILE // rblock))
-    x2 = max(1, min(r._pow2(outer), r.REDUCTION_TILE // n))
+    x1 = max(1, min(r.pow2(outer), r.REDUCTION_TILE // rblock))
+    x2 = max(1, min(r.pow2(outer), r.REDUCTION_TILE // n))
     lines = [f"# {name}: {', '.join(k.ops)}; each row in {n} pieces"]
     lines.append(f"# reads {k.bytes_read} bytes, writes {k.bytes_written} bytes")
     lines.append("@triton.jit")
