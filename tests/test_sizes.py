@@ -261,3 +261,28 @@ def test_gemm_tiles_print_one_expression_per_size_range() -> None:
 class _FakeSpec:
     def __init__(self, m: int, n: int) -> None:
         self.m, self.n, self.batch = m, n, 1
+
+
+def test_a_kernel_comment_prints_no_size_specific_count() -> None:
+    """A byte count that is no Size, in a kernel with symbolic sizes, is this size's value:
+    printed in the kernel's comment it made each size's source, and build, its own."""
+    from types import SimpleNamespace
+
+    from opfuse.backends.common import traffic
+
+    s = Size.symbol("s0", 6)
+    k = SimpleNamespace(
+        outer=(SimpleNamespace(extent=s),),
+        buffers=(SimpleNamespace(nbytes=s * 4), SimpleNamespace(nbytes=96)),
+        bytes_read=96,
+        bytes_written=s * 4,
+    )
+    with symbolic_text():
+        assert traffic(k) == "writes (opfuse_s0 * 4) bytes"  # type: ignore[arg-type]
+    static = SimpleNamespace(
+        outer=(SimpleNamespace(extent=6),),
+        buffers=(SimpleNamespace(nbytes=24), SimpleNamespace(nbytes=96)),
+        bytes_read=96,
+        bytes_written=24,
+    )
+    assert traffic(static) == "reads 96 bytes, writes 24 bytes"  # type: ignore[arg-type]

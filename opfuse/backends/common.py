@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 from ..ir.index import Clamp, FloorDiv, Ix, Mod, Var
 from ..ir.scalar import Expr, walk
+from ..ir.size import is_size
+from ..lower.kernel import Kernel
 
 
 @dataclass(frozen=True)
@@ -83,3 +85,13 @@ class Namer:
             name = self.fresh()
             lines.append(f"{indent}{self.assign(name, e, text)}")
             self.scopes[-1][e] = name
+
+
+def traffic(k: Kernel) -> str:
+    """'reads R bytes, writes W bytes', for a kernel's comment. A count that is no Size in
+    a kernel with symbolic sizes is this size's value only (a buffer whose sizes a
+    rewrite could not keep as expressions): left out, or a comment alone would make each
+    size's source, and so its build, its own."""
+    symbolic = any(is_size(v.extent) for v in k.outer) or any(is_size(b.nbytes) for b in k.buffers)
+    counts = (("reads", k.bytes_read), ("writes", k.bytes_written))
+    return ", ".join(f"{w} {n} bytes" for w, n in counts if is_size(n) or not symbolic)

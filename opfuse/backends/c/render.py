@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from ...lower.kernel import PARALLEL_MIN, Kernel, Piece, Schedule, Store
+from ..common import traffic
 from .columns import columns
 from .emit import STORAGE, Emitter, emit_checks, emit_stores, for_loop, invariant, simd_loop
 from .reductions import rows, split
@@ -29,8 +30,7 @@ def _header(name: str, k: Kernel) -> list[str]:
     cases = f"; as {len(k.cases)} cases of {k.notes['cases']}" if k.cases else ""
     return [
         f"/* {k.name}: {ops}",
-        f" * schedule {k.schedule}; reads {k.bytes_read} bytes, writes {k.bytes_written} bytes"
-        f"{cases} */",
+        f" * schedule {k.schedule}; {traffic(k)}{cases} */",
         f"int {name}(void *const *args, int nthreads) {{",
     ]
 

@@ -26,7 +26,7 @@ from ...ir.index import Ix, Var
 from ...ir.scalar import PRIMS, Expr, format_float
 from ...ir.size import symbolic_text
 from ...lower.kernel import Accumulate, Kernel, Pass, Store
-from ..common import IndexSyntax, Namer, index_text
+from ..common import IndexSyntax, Namer, index_text, traffic
 
 # Block sizes as inductor's heuristics start them (not tuned: no GPU was available): 1024
 # elements per pointwise program; a reduction program's [XBLOCK, RBLOCK] lane tile holds
@@ -312,7 +312,7 @@ def render_kernel(name: str, k: Kernel, checks: bool = True) -> str:
             _rows(k, tests, body, counter)
     symbols = sorted(seen)
     lines = [f"# {name}: {', '.join(k.ops)}"]
-    lines.append(f"# reads {k.bytes_read} bytes, writes {k.bytes_written} bytes")
+    lines.append(f"# {traffic(k)}")
     # a kernel dividing integers sets err[0] where a divisor is 0 (torch raises then)
     params = ", ".join([b.name for b in k.buffers] + symbols + (["err"] if tests else []))
     lines.append("@triton.jit")

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from ...ir.scalar import Expr
 from ...lower.kernel import Kernel
+from ..common import traffic
 from . import render as r
 
 # Programs a reduction should give the GPU at least (about two per SM of an H100/H200),
@@ -87,7 +88,7 @@ def render(name: str, k: Kernel, n: int, checks: Sequence[Expr], seen: dict[str,
     x1 = max(1, min(r.pow2(outer), r.REDUCTION_TILE // rblock))
     x2 = max(1, min(r.pow2(outer), r.REDUCTION_TILE // n))
     lines = [f"# {name}: {', '.join(k.ops)}; each row in {n} pieces"]
-    lines.append(f"# reads {k.bytes_read} bytes, writes {k.bytes_written} bytes")
+    lines.append(f"# {traffic(k)}")
     lines.append("@triton.jit")
     lines.append(
         f"def {name}_kernel({', '.join([*head, 'CHUNK', *ws, *err])}, "
