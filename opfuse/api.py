@@ -340,12 +340,8 @@ class CompiledModule(torch.nn.Module):
         """Compile again from the model's live parameters and buffers on the next call.
         Changes made through torch are seen by themselves; this is for writes that bypass
         torch's version counters (`p.data.add_()`, `p.data = t`, through numpy)."""
-        from .rewrite.batchnorm import forget_folds
-        from .runtime.execute import forget_packs
-
         with self._lock:
-            forget_packs()
-            forget_folds()
+            refresh()
             self._invalidate(recapture=True)
 
     def _invalidate(self, recapture: bool) -> None:
@@ -558,14 +554,18 @@ def _fallback_message(e: Exception) -> str:
 
 
 def refresh() -> None:
-    """Under `torch.compile(backend="opfuse")`, an inference graph reads each weight its
-    GEMMs use through a packed copy, made again when the parameter is replaced or its
-    version counter moves. After writes that bypass version counters (`p.data.mul_()`,
-    through numpy), call this: every compiled graph packs its weights again on its next
-    call. (A module from opfuse.compile has its own `.refresh()`.)"""
+    """Under `torch.compile(backend="opfuse")`, an inference graph compiles with the
+    parameters as constants (folded, packed) and compiles again when one is replaced or
+    its version counter moves. After writes that bypass version counters (`p.data.mul_()`,
+    through numpy), call this: every copy made from a parameter (packed weights, folded
+    BatchNorms, shared by every compile that made it alike) is forgotten, and each graph
+    compiles or packs again on its next call. (A module from opfuse.compile has its own
+    `.refresh()`, which calls this.)"""
+    from .rewrite.batchnorm import forget_folds
     from .runtime.execute import forget_packs
 
     forget_packs()
+    forget_folds()
 
 
 def explain(

@@ -273,3 +273,24 @@ def test_torch_compile_inference_stops_freezing_parameters_that_keep_changing() 
         assert_matches_eager(m, f(x), (x,))
     assert dynamo.compiles() == before
     torch._dynamo.reset()
+
+
+def test_refresh_forgets_folds_another_compile_still_holds() -> None:
+    """A BatchNorm fold is shared by every compile that folds the same tensors alike, found
+    by their storage, address and version counter: after a `p.data` write, which moves
+    none of them, opfuse.refresh() must forget it too, or a torch.compile graph compiled
+    again finds the fold an opfuse.compile of the same model still holds (2.4 off)."""
+    from opfuse import pipeline
+
+    pipeline._warned.clear()
+    m, x = _net()
+    held = opfuse.compile(m, (x,))
+    torch._dynamo.reset()
+    f = torch.compile(m, backend="opfuse")
+    with torch.no_grad(), pytest.warns(RuntimeWarning):
+        assert_matches_eager(m, f(x), (x,))
+        m.conv.weight.data.mul_(2.0)
+        opfuse.refresh()
+        assert_matches_eager(m, f(x), (x,))
+    assert held is not None
+    torch._dynamo.reset()
