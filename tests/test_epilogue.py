@@ -534,7 +534,10 @@ def test_the_tuner_times_the_in_place_call_the_plan_will_run(
     tail = [g for g in anchored(fast.report, "conv_epilogue") if "aten.add.Tensor" in g.ops]
     assert len(tail) == 1
     assert len(timed) == (0 if read_later else 1), (timed, str(fast.report))
-    if tail[0].implementation.startswith("onednn"):
+    stem = [g for g in anchored(fast.report, "conv_epilogue") if g not in tail]
+    # oneDNN writes over the block input only where torch made it: an unfused stem (the
+    # tuner's pick on a loaded machine) leaves its relu to a kernel, whose result it is not
+    if all(g.implementation.startswith("onednn") for g in tail + stem):
         assert len(_donating(fast)) == (0 if read_later else 1)
     assert_matches_eager(m, fast(x), (x,))
 
