@@ -126,6 +126,27 @@ def test_lengths_outside_the_exports_range_export_on_their_own() -> None:
     assert [bool(n) for n in notes] == [False, True, False, True, True]
 
 
+def test_a_second_length_of_one_does_not_make_the_export(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A length of 1 right after the first would export specialised to 1 (0/1
+    specialisation), an export every later length is refused by: it compiles on its own,
+    and the next length exports with the length symbolic for the ones after it."""
+    torch.manual_seed(0)
+    model = _Encoder().eval()
+    exports = _counting_exports(monkeypatch)
+    with torch.no_grad():
+        fast = opfuse.compile(model, (_ids(1, 16),))
+        counts = []
+        for s in (1, 24, 40, 56):
+            x = _ids(1, s)
+            torch.testing.assert_close(fast(x), model(x), rtol=1e-4, atol=1e-4)
+            counts.append(len(exports))
+    assert counts == [2, 3, 3, 3]
+    assert exports[1] is None and exports[2] is not None  # length 1: a static export
+    assert len(fast._families) == 1  # type: ignore[attr-defined]
+
+
 def test_a_dim_the_model_fixes_is_reported_as_specialised() -> None:
     """A reshape that needs the width's value keeps it static whatever was asked: explain
     says which sizes are symbolic and which the export fixed."""

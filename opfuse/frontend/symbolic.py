@@ -238,7 +238,8 @@ def _note(inputs: Sequence[Any], dims: Sequence[DimSpec], ranges: Any) -> str:
 
 def changed_dims(known: Sequence[Any], leaves: Sequence[Any]) -> list[DimSpec] | None:
     """Per leaf, the dims whose size differs from signature `known` (api._signature) as
-    `Dim.AUTO`; None when the inputs differ in more than tensor sizes, or not at all."""
+    `Dim.AUTO` (but dims now 0 or 1); None when the inputs differ in more than tensor sizes,
+    or not at all."""
     if len(known) != len(leaves):
         return None
     out: list[DimSpec] = []
@@ -251,8 +252,11 @@ def changed_dims(known: Sequence[Any], leaves: Sequence[Any]) -> list[DimSpec] |
         _, shape, _, dtype, device = was
         if (dtype, device, len(shape)) != (now.dtype, str(now.device), now.dim()):
             return None
+        # a new size of 0 or 1 would come back from the export specialised to it (torch's
+        # 0/1 specialisation): that export would serve only it, and keep refusing the sizes
+        # after it, so such a shape compiles on its own
         auto = torch.export.Dim.AUTO
-        dims = {d: auto for d, (a, b) in enumerate(zip(shape, now.shape)) if a != b}
+        dims = {d: auto for d, (a, b) in enumerate(zip(shape, now.shape)) if a != b and b > 1}
         out.append(dims or None)
     return out if any(out) else None
 
