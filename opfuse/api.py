@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import operator
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -30,6 +31,8 @@ log = logging.getLogger("opfuse")
 MAX_EXPORTS = 2
 # Signatures remembered as served by an export's generic run (each is checked once).
 GENERIC_SIGNATURES = 4096
+
+_TRAINING = operator.attrgetter("training")
 
 
 class RecompileError(RuntimeError):
@@ -140,6 +143,7 @@ class CompiledModule(torch.nn.Module):
         # Not a registered submodule: .to()/.train() on this wrapper must not touch the
         # caller's model.
         self.__dict__["_model"] = model
+        self._watch_modes(model)
         self._options = options
         self._recompile = recompile
         self._cache_limit = cache_limit
@@ -182,6 +186,8 @@ class CompiledModule(torch.nn.Module):
         new = CompiledModule.__new__(CompiledModule)
         torch.nn.Module.__init__(new)
         new.__dict__["_model"] = copy.deepcopy(self.__dict__["_model"], memo)
+        new._watch_modes(new.__dict__["_model"])
+        new._modes = self._modes  # the copy's graphs are the original's
         new._options, new._recompile = self._options, self._recompile
         new._cache_limit = self._cache_limit
         # the export holds this module's weights: the copy exports its own when it needs one
@@ -203,6 +209,13 @@ class CompiledModule(torch.nn.Module):
         # changes: then the copy compiles from its own.
         new._watch = ParameterWatch(new.__dict__["_model"], self._frozen(), borrowed=True)
         return new
+
+    def _watch_modes(self, model: torch.nn.Module) -> None:
+        """The graphs hold every submodule's mode at the compile (dropout off, BatchNorm
+        with running statistics): each call compares them (a few us for a hundred
+        modules)."""
+        self.__dict__["_submodules"] = list(model.modules())
+        self._modes = list(map(_TRAINING, self.__dict__["_submodules"]))
 
     def _flat(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
@@ -372,6 +385,15 @@ class CompiledModule(torch.nn.Module):
             self._invalidate(recapture=watch.borrowed or watch.replaced())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if list(map(_TRAINING, self.__dict__["_submodules"])) != self._modes:
+            # model.train() (or a submodule's) since the compile: eager would use batch
+            # statistics and dropout, which the graphs do not; until the modes are back
+            warn_once(
+                "opfuse: the model's training mode changed since it was compiled; calls run "
+                "through torch.compile(backend='opfuse') until it is back in the mode it "
+                "was compiled in"
+            )
+            return self._through_dynamo(*args, **kwargs)
         watch = self._watch
         if watch is not None and watch.changed() is not None:
             self._follow_parameters()

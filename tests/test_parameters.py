@@ -113,6 +113,50 @@ def test_nothing_changed_compiles_once_and_the_check_is_cheap() -> None:
     assert watched == (set(m.state_dict()) | {"scale"}) - {"bn.num_batches_tracked"}
 
 
+class _Dropped(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(super().forward(x))
+
+
+@pytest.mark.parametrize("switch", ["model", "submodule"])
+def test_a_mode_changed_after_the_compile_is_followed(switch: str) -> None:
+    """The graphs hold eval mode (BatchNorm folded, dropout gone): after model.train() (or
+    one submodule's) calls compute as eager does in that mode, batch statistics and the
+    running stats' update included; back in eval mode they run compiled again, from the
+    updated running statistics."""
+    from opfuse import pipeline
+
+    m, x = _net()
+    d = _Dropped()
+    d.load_state_dict(m.state_dict())
+    d.scale = m.scale
+    d.eval()
+    ref = copy.deepcopy(d)
+    fast = opfuse.compile(d, (x,))
+    fast(x)
+    pipeline._warned.clear()
+    for mod in (d, ref):
+        (mod if switch == "model" else mod.bn).train()
+    with pytest.warns(RuntimeWarning, match="training mode changed"):
+        out = fast(x)
+    ref.drop.p = 0.0  # its own random masks: compare with the kept elements, doubled
+    kept = ref(x) * (2.0 if switch == "model" else 1.0)
+    dropped = out == 0
+    assert dropped.any() == (switch == "model")
+    torch.testing.assert_close(out[~dropped], kept[~dropped])  # batch statistics
+    torch.testing.assert_close(d.bn.running_mean, ref.bn.running_mean)
+    d.eval()
+    ref.eval()
+    with pytest.warns(RuntimeWarning, match="modified in place"):
+        out = fast(x)
+    assert_matches_eager(ref, out, (x,))
+    assert fast._entries  # compiled again
+
+
 @pytest.mark.parametrize("how", ["p.data.mul_", "p.data = t"])
 def test_writes_that_bypass_version_counters_need_refresh(how: str) -> None:
     m, x = _net()
