@@ -35,6 +35,14 @@ GENERIC_SIGNATURES = 4096
 _TRAINING = operator.attrgetter("training")
 
 
+def _autocast() -> tuple[Any, ...]:
+    """The autocast state a capture traces under (its dtype per device where enabled)."""
+    return tuple(
+        torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None
+        for d in ("cpu", "cuda")
+    )
+
+
 class RecompileError(RuntimeError):
     """Inputs differ from every compiled signature and recompiling is switched off."""
 
@@ -144,6 +152,7 @@ class CompiledModule(torch.nn.Module):
         # caller's model.
         self.__dict__["_model"] = model
         self._watch_modes(model)
+        self._autocast = _autocast()  # the graphs' dtypes follow it
         self._options = options
         self._recompile = recompile
         self._cache_limit = cache_limit
@@ -188,6 +197,7 @@ class CompiledModule(torch.nn.Module):
         new.__dict__["_model"] = copy.deepcopy(self.__dict__["_model"], memo)
         new._watch_modes(new.__dict__["_model"])
         new._modes = self._modes  # the copy's graphs are the original's
+        new._autocast = self._autocast
         new._options, new._recompile = self._options, self._recompile
         new._cache_limit = self._cache_limit
         # the export holds this module's weights: the copy exports its own when it needs one
@@ -392,6 +402,13 @@ class CompiledModule(torch.nn.Module):
                 "opfuse: the model's training mode changed since it was compiled; calls run "
                 "through torch.compile(backend='opfuse') until it is back in the mode it "
                 "was compiled in"
+            )
+            return self._through_dynamo(*args, **kwargs)
+        if _autocast() != self._autocast:
+            # eager would compute (and return) the autocast dtypes of this call's state
+            warn_once(
+                "opfuse: called under another autocast state than it was compiled in; "
+                "such calls run through torch.compile(backend='opfuse')"
             )
             return self._through_dynamo(*args, **kwargs)
         watch = self._watch

@@ -656,3 +656,34 @@ def test_reports_of_graphs_compiled_on_another_thread_are_collected() -> None:
     f(torch.randn(4, 8))  # served from the cache: nothing is reported any more
     assert len(reports) == 1
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("compiled_under", ["autocast", "none"])
+def test_a_call_under_another_autocast_state_computes_as_eager_does(compiled_under: str) -> None:
+    """The capture traces under the autocast state of the compile (its graphs compute and
+    return bfloat16 where autocast casts): a call under another state gets eager's dtypes
+    and numerics for that state, through torch.compile."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 8)).eval()
+    x = torch.randn(4, 16)
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16)
+    with torch.no_grad():
+        if compiled_under == "autocast":
+            with bf16:
+                fast = opfuse.compile(m, (x,))
+                assert fast(x).dtype == torch.bfloat16  # as compiled: no detour
+        else:
+            fast = opfuse.compile(m, (x,))
+        pipeline._warned.clear()
+        with pytest.warns(RuntimeWarning, match="autocast"):
+            if compiled_under == "autocast":
+                out, want = fast(x), m(x)
+            else:
+                with bf16:
+                    out, want = fast(x), m(x)
+    assert (
+        out.dtype
+        == want.dtype
+        == (torch.float32 if compiled_under == "autocast" else torch.bfloat16)
+    )
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
