@@ -33,6 +33,7 @@ MAX_EXPORTS = 2
 GENERIC_SIGNATURES = 4096
 
 _TRAINING = operator.attrgetter("training")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def _autocast() -> tuple[Any, ...]:
@@ -225,6 +226,7 @@ class CompiledModule(torch.nn.Module):
         with running statistics): each call compares them (a few us for a hundred
         modules)."""
         self.__dict__["_submodules"] = list(model.modules())
+        self.__dict__["_params"] = list(model.parameters())
         self._modes = list(map(_TRAINING, self.__dict__["_submodules"]))
 
     def _flat(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
@@ -271,6 +273,7 @@ class CompiledModule(torch.nn.Module):
             self._first = entry
         self._entries[sig] = entry
         self._watch = ParameterWatch(model, self._frozen())
+        self.__dict__["_params"] = list(model.parameters())
         return entry
 
     def _share_state(self, captured: Captured) -> Captured:
@@ -423,7 +426,8 @@ class CompiledModule(torch.nn.Module):
         entry = self._entries.get(sig)
         generic = self._generic_runs.get(sig) if entry is None else None
         if generic is not None:
-            return generic(leaves)
+            out = generic(leaves)
+            return self._with_grad(out, args, kwargs, leaves) if torch.is_grad_enabled() else out
         if entry is None:
             with self._lock:
                 entry = self._entries.get(sig)
@@ -478,7 +482,39 @@ class CompiledModule(torch.nn.Module):
             else:
                 cap.state[k].copy_(v)
         assert cap.out_spec is not None
-        return structure.unflatten(cap.out_spec, user)
+        out = structure.unflatten(cap.out_spec, user)
+        return self._with_grad(out, args, kwargs, leaves) if torch.is_grad_enabled() else out
+
+    def _with_grad(
+        self, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any]
+    ) -> Any:
+        """Eager's outputs require grad where parameters do (an eval-mode model fine-tuned,
+        BatchNorm frozen): the graphs' outputs get a backward that runs eager's forward
+        and backward again at these inputs. Only a backward pays for it."""
+        params = list(filter(_REQUIRES_GRAD, self.__dict__["_params"]))
+        if not params:
+            return out
+        flat, spec = structure.flatten(out)
+        given = {id(t) for t in leaves if isinstance(t, torch.Tensor)}
+        picked = [k for k, t in enumerate(flat) if t.dtype.is_floating_point and id(t) not in given]
+        if not picked:
+            return out
+        if any(flat[k]._is_view() for k in picked):
+            # views among them: autograd forbids in-place writes to a custom function's
+            # view outputs, which eager allows; torch.compile records them as eager does
+            return self._through_dynamo(*args, **kwargs)
+        model = self.__dict__["_model"]
+
+        def recompute() -> list[torch.Tensor]:
+            again, _ = structure.flatten(model(*args, **kwargs))
+            if len(again) != len(flat):
+                raise RuntimeError("opfuse: the model's outputs changed structure since")
+            return [again[k] for k in picked]
+
+        grads = _Recomputed.apply(_Again(recompute, params, [flat[k] for k in picked]), *params)
+        for k, g in zip(picked, grads):
+            flat[k] = g
+        return structure.unflatten(spec, flat)
 
     def _declared(self, leaves: list[Any]) -> bool:
         """Do these inputs have the sizes `dynamic_shapes` declared (the export admits
@@ -533,6 +569,39 @@ class CompiledModule(torch.nn.Module):
 
             self._dynamo = torch.compile(self.__dict__["_model"], backend=opfuse_backend)
         return self._dynamo(*args, **kwargs)
+
+
+@dataclass
+class _Again:
+    recompute: Callable[[], list[torch.Tensor]]  # eager's differentiable outputs, again
+    params: list[torch.Tensor]
+    outs: list[torch.Tensor]  # the graph's: fresh tensors each call, returned as they are
+
+
+class _Recomputed(torch.autograd.Function):
+    """The graph's outputs (computed without autograd) as outputs of a node whose backward
+    differentiates eager's forward, run again."""
+
+    @staticmethod
+    def forward(ctx: Any, again: _Again, *params: torch.Tensor) -> Any:
+        ctx.again = again
+        outs, again.outs = again.outs, []  # (not kept alive by the graph)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        again: _Again = ctx.again
+        with torch.enable_grad():
+            outs = again.recompute()
+        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+        got = torch.autograd.grad(
+            [o for o, _ in pairs],
+            again.params,
+            [g for _, g in pairs],
+            allow_unused=True,
+            create_graph=torch.is_grad_enabled(),
+        )
+        return (None, *got)
 
 
 def compile(

@@ -338,3 +338,49 @@ def test_refresh_forgets_folds_another_compile_still_holds() -> None:
         assert_matches_eager(m, f(x), (x,))
     assert held is not None
     torch._dynamo.reset()
+
+
+def test_an_eval_model_called_with_grad_gets_eagers_parameter_gradients() -> None:
+    """An eval-mode model trained or probed with gradients (BatchNorm frozen): eager's
+    outputs require grad through the parameters, and so do the compiled module's, whose
+    backward runs eager's again; under no_grad nothing is recorded. Outputs that are views
+    of one another run through torch.compile, which records them as eager does."""
+    m, x = _net()
+    fast = opfuse.compile(m, (x,))
+    ref = copy.deepcopy(m)
+    out, want = fast(x), ref(x)
+    assert out.requires_grad and want.requires_grad
+    assert_matches_eager(ref, out.detach(), (x,))
+    out.add_(1)  # an output is the caller's to write to, as eager's is
+    (out * out).sum().backward()
+    ((want + 1) * (want + 1)).sum().backward()
+    for (name, p), q in zip(m.named_parameters(), ref.parameters()):
+        assert p.grad is not None, name
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        assert not fast(x).requires_grad
+
+
+def test_views_among_the_outputs_with_grad_run_through_torch_compile() -> None:
+    torch.manual_seed(0)
+
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> Any:
+            y = self.lin(x) * 2
+            return y, y.view(-1)
+
+    two = Two().eval()
+    ref = copy.deepcopy(two)
+    x = torch.randn(4, 8)
+    fast = opfuse.compile(two, (x,))
+    a, b = fast(x)
+    b.add_(1)  # in place on a view output, as eager allows
+    a.sum().backward()
+    ra, rb = ref(x)
+    rb.add_(1)
+    ra.sum().backward()
+    torch.testing.assert_close(two.lin.weight.grad, ref.lin.weight.grad)
