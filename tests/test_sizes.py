@@ -201,6 +201,30 @@ def test_a_rewritten_op_keeps_the_sizes_its_inputs_give_it() -> None:
     assert flat.shape == (16 * 16 * 16 * 8,) and not isinstance(flat.shape[0], Size)
 
 
+@pytest.mark.parametrize("h", [16, 17, 112])
+def test_a_strided_window_keeps_its_positions_as_an_expression(h: int) -> None:
+    """A stride-2 convolution's or pool's output height, (H + 2p - k) // s + 1, is no
+    known Size times or over an int: it is found as a floor division of H."""
+    from opfuse.ir.graph import GraphBuilder, TensorMeta
+    from opfuse.ir.meta import infer_meta
+
+    aten = torch.ops.aten
+    n, hs = Size.symbol("s0", 2), Size.symbol("s1", h)
+    b = GraphBuilder()
+    x = b.add(
+        "input", (), meta=TensorMeta((n, 8, hs, hs), (8 * hs * hs, hs * hs, hs, 1), torch.float32)
+    )
+    w = b.add("input", (), meta=TensorMeta((8, 8, 3, 3), (72, 9, 3, 1), torch.float32))
+    conv = infer_meta(
+        aten.convolution.default, (x, w, None, [2, 2], [1, 1], [1, 1], False, [0, 0], 1), {}
+    )
+    pool = infer_meta(aten.max_pool2d.default, (x, [3, 3], [2, 2], [0, 0], [1, 1], True), {})
+    for m, at in ((conv, lambda v: (v + 2 - 3) // 2 + 1), (pool, lambda v: -(-(v - 3) // 2) + 1)):
+        assert isinstance(m.shape[2], Size) and isinstance(m.shape[3], Size)
+        for v in (h, 31, 224, 9):
+            assert value_at(m.shape[2], {"opfuse_s1": v}) == at(v)
+
+
 class _ConvNet(nn.Module):
     def __init__(self, depthwise: bool) -> None:
         super().__init__()
@@ -241,6 +265,35 @@ def test_a_conv_net_over_batch_sizes_builds_per_size_range(
             assert last.compiled is not None
             used = [g.implementation for g in last.compiled.report.groups]
             assert any("opfuse-dw" in u.split(" ")[0] for u in used), used
+
+
+def test_a_strided_conv_net_over_image_sizes_compiles_from_one_export(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """New image heights and widths are captured from the export with them symbolic. A
+    strided convolution's relayout tried a Size of value 0 (an offset) as a divisor
+    (ZeroDivisionError), and every new size then exported and compiled on its own."""
+    import opfuse
+    from opfuse import api
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, 2, 1), nn.BatchNorm2d(16), nn.ReLU6(),
+        nn.Conv2d(16, 16, 3, 1, 1, groups=16), nn.ReLU6(), nn.Conv2d(16, 32, 1),
+        nn.MaxPool2d(3, 2, 1), nn.Conv2d(32, 32, 3, 2, 1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
+    ).eval()  # fmt: skip
+    failed: list[str] = []
+    monkeypatch.setattr(api.log, "debug", lambda msg, *a: failed.append(msg % a))
+    with torch.no_grad():
+        f = opfuse.compile(model, (torch.randn(2, 3, 32, 32),))
+        for s in (40, 48, 57):
+            x = torch.randn(2, 3, s, s)
+            torch.testing.assert_close(f(x), model(x), rtol=1e-4, atol=1e-4)
+    assert not failed, failed
+    assert f._exports == 1  # type: ignore[attr-defined]
+    reports = [e.report for e in f._entries.values()]  # type: ignore[attr-defined]
+    assert all(r.dynamic for r in reports[1:])
 
 
 def test_gemm_tiles_print_one_expression_per_size_range() -> None:

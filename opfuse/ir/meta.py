@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -81,9 +82,15 @@ def _sizes_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Size]:
     return list(found.values())
 
 
-# How far each symbol moves in the two trial runs: apart for every symbol, so that two
-# symbols equal at this size are told apart.
-_TRIALS = ((3, 7, 13, 19, 29, 37, 43, 53), (5, 11, 17, 23, 31, 41, 47, 59))
+# How far each symbol moves in the trial runs: apart for every symbol, so that two
+# symbols equal at this size are told apart. Three runs: a window's count of positions,
+# (c + a) // s + b, has enough freedom to fit two by chance (s0 + 7 for (s1 - 1) // 2 + 1
+# where s1 moves twice as far as s0).
+_TRIALS = (
+    (3, 7, 13, 19, 29, 37, 43, 53),
+    (5, 11, 17, 23, 31, 41, 47, 59),
+    (62, 34, 90, 66, 78, 146, 98, 122),
+)
 
 
 def _with_sizes(
@@ -107,9 +114,10 @@ def _with_sizes(
     def pick(v0: int, vs: list[int], cands: list[int]) -> int:
         if all(v == v0 for v in vs):
             return v0
-        for c in (*cands, *_scaled(known, v0)):
-            if int(c) == v0 and all(value_at(c, t) == v for t, v in zip(trials, vs)):
-                return c
+        for group in (cands, _scaled(known, v0), _windowed(known, v0)):
+            for c in group:
+                if int(c) == v0 and all(value_at(c, t) == v for t, v in zip(trials, vs)):
+                    return c
         return v0
 
     def one(m: TensorMeta, others: list[TensorMeta]) -> TensorMeta:
@@ -144,9 +152,22 @@ def _scaled(known: list[Size], v0: int) -> list[int]:
         k = int(c)
         if k and v0 % k == 0:
             out.append(c * (v0 // k))
-        if v0 and k % v0 == 0:
+        if v0 and k and k % v0 == 0:  # (a Size that is 0 here: an offset)
             out.append(c // (k // v0))
     return out
+
+
+def _windowed(known: list[Size], v0: int) -> Iterator[int]:
+    """(c + a) // s + b for a known Size c: a window's count of positions along a dim (a
+    convolution's or pool's output height, (H + 2p - k) // s + 1), strides up to 8 and
+    offsets up to 16. Tried last, lazily: only sizes no simpler expression gives."""
+    for c in known:
+        k = int(c)
+        for s in range(1, 9):
+            for a in range(s):
+                b = v0 - (k + a) // s
+                if abs(b) <= 16:
+                    yield (c + a) // s + b if s > 1 else c + b
 
 
 def _dense_strides(shape: tuple[int, ...], stride: tuple[int, ...]) -> list[int]:
