@@ -19,6 +19,7 @@ from .frontend import structure
 from .frontend.capture import Captured, CaptureError, capture_module
 from .frontend.symbolic import DimSpec, Family, changed_dims, export_family, given_dims
 from .frontend.watch import ParameterWatch
+from .ir.graph import CONSTANT
 from .options import Options
 from .pipeline import CompiledGraph, compile_graph, warn_once
 from .report.make import count_kernels
@@ -427,7 +428,9 @@ class CompiledModule(torch.nn.Module):
         generic = self._generic_runs.get(sig) if entry is None else None
         if generic is not None:
             out = generic(leaves)
-            return self._with_grad(out, args, kwargs, leaves) if torch.is_grad_enabled() else out
+            if not torch.is_grad_enabled():
+                return out
+            return self._with_grad(out, args, kwargs, self._first.captured)
         if entry is None:
             with self._lock:
                 entry = self._entries.get(sig)
@@ -483,26 +486,32 @@ class CompiledModule(torch.nn.Module):
                 cap.state[k].copy_(v)
         assert cap.out_spec is not None
         out = structure.unflatten(cap.out_spec, user)
-        return self._with_grad(out, args, kwargs, leaves) if torch.is_grad_enabled() else out
+        return self._with_grad(out, args, kwargs, cap) if torch.is_grad_enabled() else out
 
     def _with_grad(
-        self, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any], leaves: list[Any]
+        self, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any], cap: Captured
     ) -> Any:
-        """Eager's outputs require grad where parameters do (an eval-mode model fine-tuned,
-        BatchNorm frozen): the graphs' outputs get a backward that runs eager's forward
-        and backward again at these inputs. Only a backward pays for it."""
-        params = list(filter(_REQUIRES_GRAD, self.__dict__["_params"]))
-        if not params:
+        """Eager's outputs require grad where they depend on a parameter that does (an
+        eval-mode model fine-tuned, BatchNorm frozen): those of the graph's outputs get a
+        backward that runs eager's forward at these inputs again and differentiates it.
+        Only a backward pays for the second forward."""
+        needs = self._needs_grad(cap)
+        if needs is None:
             return out
         flat, spec = structure.flatten(out)
-        given = {id(t) for t in leaves if isinstance(t, torch.Tensor)}
-        picked = [k for k, t in enumerate(flat) if t.dtype.is_floating_point and id(t) not in given]
-        if not picked:
-            return out
-        if any(flat[k]._is_view() for k in picked):
-            # views among them: autograd forbids in-place writes to a custom function's
-            # view outputs, which eager allows; torch.compile records them as eager does
+        if len(flat) != len(needs):
             return self._through_dynamo(*args, **kwargs)
+        picked = [k for k, t in enumerate(flat) if needs[k] and t.dtype.is_floating_point]
+        storages = [flat[k].untyped_storage().data_ptr() for k in picked]
+        if len(set(storages)) < len(storages):
+            # outputs that share memory: eager's writes through one show in the other,
+            # and autograd tracks them as views of one another; torch.compile keeps that
+            return self._through_dynamo(*args, **kwargs)
+        for k in picked:
+            t = flat[k]
+            if t._is_view():  # autograd forbids writing in place to a custom node's views
+                flat[k] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                flat[k].copy_(t)
         model = self.__dict__["_model"]
 
         def recompute() -> list[torch.Tensor]:
@@ -511,10 +520,42 @@ class CompiledModule(torch.nn.Module):
                 raise RuntimeError("opfuse: the model's outputs changed structure since")
             return [again[k] for k in picked]
 
+        params = list(filter(_REQUIRES_GRAD, self.__dict__["_params"]))
         grads = _Recomputed.apply(_Again(recompute, params, [flat[k] for k in picked]), *params)
         for k, g in zip(picked, grads):
             flat[k] = g
         return structure.unflatten(spec, flat)
+
+    def _needs_grad(self, cap: Captured) -> list[bool] | None:
+        """Per user output of `cap`: does it depend on a parameter that requires grad now
+        (its graph's constants share their storage)? None where none does. Found once per
+        capture and set of such parameters."""
+        flags = tuple(map(_REQUIRES_GRAD, self.__dict__["_params"]))
+        if not any(flags):
+            return None
+        cache = self.__dict__.setdefault("_grad_outputs", {})
+        hit = cache.get((id(cap), flags))
+        if hit is not None and hit[0] is cap:
+            return hit[1]
+        ptrs = {p.data_ptr() for p, f in zip(self.__dict__["_params"], flags) if f}
+        g = cap.graph
+        depends: dict[Any, bool] = {}
+        for n in g.nodes:  # in order: inputs before their users
+            if n.op == CONSTANT:
+                t = g.constants.get(n.name)
+                depends[n] = t is not None and t.data_ptr() in ptrs
+            else:
+                depends[n] = any(depends.get(i, False) for i in n.inputs())
+        user = [
+            depends.get(o, False)
+            for o, (role, _) in zip(g.outputs, cap.output_roles)
+            if role == "user"
+        ]
+        result = user if any(user) else None
+        if len(cache) > 64:
+            cache.clear()
+        cache[(id(cap), flags)] = (cap, result)
+        return result
 
     def _declared(self, leaves: list[Any]) -> bool:
         """Do these inputs have the sizes `dynamic_shapes` declared (the export admits

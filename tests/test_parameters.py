@@ -361,6 +361,34 @@ def test_an_eval_model_called_with_grad_gets_eagers_parameter_gradients() -> Non
         assert not fast(x).requires_grad
 
 
+def test_with_grad_only_outputs_that_depend_on_parameters_require_grad() -> None:
+    torch.manual_seed(0)
+
+    class Mixed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> Any:
+            y = self.lin(x).relu()
+            return y.t(), x.sin() * 2, y.argmax(-1)
+
+    m = Mixed().eval()
+    x = torch.randn(4, 8)
+    fast = opfuse.compile(m, (x,))
+    got, want = fast(x), m(x)
+    assert [t.requires_grad for t in got] == [t.requires_grad for t in want] == [True, False, False]
+    assert got[0].stride() == want[0].stride()  # a view output, copied as it was laid out
+    got[0].add_(1)  # in place, as eager's allows
+    got[0].sum().backward()
+    g = m.lin.weight.grad.clone()
+    m.zero_grad()
+    want[0].sum().backward()
+    torch.testing.assert_close(g, m.lin.weight.grad)
+    m.lin.requires_grad_(False)
+    assert not any(t.requires_grad for t in fast(x))
+
+
 def test_views_among_the_outputs_with_grad_run_through_torch_compile() -> None:
     torch.manual_seed(0)
 
