@@ -270,9 +270,10 @@ def test_a_conv_net_over_batch_sizes_builds_per_size_range(
 def test_a_strided_conv_net_over_image_sizes_compiles_from_one_export(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """New image heights and widths are captured from the export with them symbolic. A
-    strided convolution's relayout tried a Size of value 0 (an offset) as a divisor
-    (ZeroDivisionError), and every new size then exported and compiled on its own."""
+    """New image heights and widths are captured from the export with them symbolic and
+    share its build. A strided convolution's relayout tried a Size of value 0 (an offset)
+    as a divisor (ZeroDivisionError), and every new size then exported and compiled on
+    its own."""
     import opfuse
     from opfuse import api
 
@@ -285,12 +286,18 @@ def test_a_strided_conv_net_over_image_sizes_compiles_from_one_export(
     ).eval()  # fmt: skip
     failed: list[str] = []
     monkeypatch.setattr(api.log, "debug", lambda msg, *a: failed.append(msg % a))
+    runs = count_compiler_runs(monkeypatch)
+    counts = []
     with torch.no_grad():
         f = opfuse.compile(model, (torch.randn(2, 3, 32, 32),))
-        for s in (40, 48, 57):
+        for s in (40, 48, 56, 64):
             x = torch.randn(2, 3, s, s)
             torch.testing.assert_close(f(x), model(x), rtol=1e-4, atol=1e-4)
+            counts.append(len(runs))
     assert not failed, failed
+    # past the export, one build: strided windows' sizes, a padded pool's and a mean's
+    # count of elements print as expressions of H and W
+    assert counts[1] == counts[-1], counts
     assert f._exports == 1  # type: ignore[attr-defined]
     reports = [e.report for e in f._entries.values()]  # type: ignore[attr-defined]
     assert all(r.dynamic for r in reports[1:])

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Union
 
-from .size import gcd
+from .size import Size, gcd
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ class Ix:
 
     @staticmethod
     def of(c: int) -> Ix:
-        return Ix((), int(c))
+        return Ix((), c if isinstance(c, Size) else int(c))  # a Size keeps its expression
 
     @staticmethod
     def _norm(coefs: Mapping[Atom, int], const: int) -> Ix:

@@ -114,7 +114,7 @@ def _with_sizes(
     def pick(v0: int, vs: list[int], cands: list[int]) -> int:
         if all(v == v0 for v in vs):
             return v0
-        for group in (cands, _scaled(known, v0), _windowed(known, v0)):
+        for group in (cands, _scaled(known, v0), _summed(known, v0), _windowed(known, v0)):
             for c in group:
                 if int(c) == v0 and all(value_at(c, t) == v for t, v in zip(trials, vs)):
                     return c
@@ -155,6 +155,16 @@ def _scaled(known: list[Size], v0: int) -> list[int]:
         if v0 and k and k % v0 == 0:  # (a Size that is 0 here: an offset)
             out.append(c // (k // v0))
     return out
+
+
+def _summed(known: list[Size], v0: int) -> Iterator[int]:
+    """c1 + c2 + b for two known Sizes (a padded dim: the size plus a pad that is itself an
+    expression, as a pool's right-hand pad is), offsets up to 16."""
+    for i, c1 in enumerate(known):
+        for c2 in known[i + 1 :]:
+            b = v0 - int(c1) - int(c2)
+            if abs(b) <= 16:
+                yield c1 + c2 + b
 
 
 def _windowed(known: list[Size], v0: int) -> Iterator[int]:

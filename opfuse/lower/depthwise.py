@@ -114,6 +114,7 @@ def lower_depthwise(
     if const_root(w) is not w or (isinstance(bias, Node) and const_root(bias) is None):
         raise NotFusable("the depthwise kernel packs frozen filters")
     assert rows == n * oh * ow
+    rows = n * oh * ow  # (an expression of the input's sizes where they are symbolic)
     epi = [m for m in members if m is not anchor]
 
     def value(low: _Lowering, idx: tuple[Ix, ...]) -> Any:

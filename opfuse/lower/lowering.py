@@ -39,7 +39,8 @@ from ..ir.ops import (
     reduction_domain,
     short,
 )
-from ..ir.scalar import Expr, cast, const, opmath, walk
+from ..ir.scalar import Expr, cast, const, opmath, position, walk
+from ..ir.size import Size
 from ..ir.uses import used_outside
 from .constants import formula as constant_formula
 from .kernel import Accumulate, Buffer, Kernel, Pass, Schedule, Store
@@ -278,7 +279,7 @@ class _Lowering:
         if red.result == "value":
             results: tuple[Expr, ...] = (cast(acc("value", adt), out_t[0]),)
         elif red.result == "mean":
-            results = (cast(acc("value", adt) / count, out_t[0]),)
+            results = (cast(acc("value", adt) / _count(count, adt), out_t[0]),)
         elif red.result == "index":
             results = (acc("index", torch.int64),)
         elif red.result == "value_index":
@@ -287,7 +288,7 @@ class _Lowering:
             corr = a.get("correction")
             corr = 1 if corr is None else corr
             denom = max(count - corr, 0)
-            var = cast(acc("m2", adt) / const(denom, adt), out_t[0])
+            var = cast(acc("m2", adt) / _count(denom, adt), out_t[0])
             if red.result == "var":
                 results = (var,)
             else:
@@ -616,6 +617,14 @@ def kernel_name(nodes: Sequence[Node], limit: int = 5) -> str:
             names.append(name)
     extra = len(names) - limit
     return "fused_" + "_".join(names[:limit]) + (f"_and_{extra}_more" if extra > 0 else "")
+
+
+def _count(n: int, dtype: torch.dtype) -> Expr:
+    """A number of elements as a value of `dtype`: a Size stays its expression (a mean's
+    divisor over symbolic sizes then prints alike for every size), an int a constant."""
+    if isinstance(n, Size):
+        return cast(position(Ix((), n)), dtype)
+    return const(n, dtype)
 
 
 def lower_group(graph: Graph, members: Iterable[Node]) -> Kernel:
