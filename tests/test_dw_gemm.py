@@ -323,3 +323,38 @@ def test_a_chain_of_blocks_runs_each_group_once(options: Any) -> None:
     assert fast.report.kernels_after == sum(
         1 for g in groups.values() if not g.kernel.startswith("(in group")
     )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    n=st.integers(1, 8),
+    h=st.integers(1, 240),
+    c=st.sampled_from([8, 16, 96, 144, 384, 960]),
+    k=st.sampled_from([1, 3, 5, 7]),
+    stride=st.integers(1, 2),
+    dilation=st.integers(1, 2),
+    out=st.sampled_from([16, 24, 64, 160, 320]),
+    threads=st.integers(1, 16),
+)
+def test_band_height_is_the_search_it_closes(
+    n: int, h: int, c: int, k: int, stride: int, dilation: int, out: int, threads: int
+) -> None:
+    """The band's closed form (one expression for every size) is the tallest band the
+    search from a band per thread down finds."""
+    from opfuse.lower.depthwise import Geometry
+    from opfuse.lower.dw_gemm import BAND_FLOATS, band_height
+
+    span = (k - 1) * dilation + 1
+    oh = (h + 2 * (k // 2) - span) // stride + 1
+    if oh < 1:
+        return
+    g = Geometry(n, h, h, c, oh, oh, k, k, stride, stride, k // 2, k // 2, dilation, dilation)
+    band = max(1, min(g.oh, -(-g.n * g.oh // threads)))
+
+    def floats(b: int) -> int:
+        reach = min(g.h, (b - 1) * g.sh + (g.kh - 1) * g.dh + 1)
+        return reach * g.w * g.c + b * g.ow * (2 * g.c + out)
+
+    while band > 1 and floats(band) > BAND_FLOATS:
+        band -= 1
+    assert band_height(g, out, threads) == band

@@ -21,7 +21,7 @@ from ..fusion.groups import Partition
 from ..ir.graph import Graph, Node, TensorMeta
 from ..ir.ops import VIEW_OPS
 from ..rewrite.conv_rows import DEPTHWISE
-from .depthwise import DepthwiseKernel
+from .depthwise import DepthwiseKernel, Geometry
 from .epilogue import (
     GemmKernel,
     GemmSpec,
@@ -246,14 +246,7 @@ def _expand(
     if not _read_only_by(graph, expanded, dw_anchor):
         raise NotFusable("the expansion's result is read by others too")
     threads = pair.threads
-    band = max(1, min(g.oh, -(-g.n * g.oh // threads)))  # a band per thread at least
-
-    def floats(b: int) -> int:
-        reach = min(g.h, (b - 1) * g.sh + (g.kh - 1) * g.dh + 1)
-        return reach * g.w * g.c + b * g.ow * (2 * g.c + pair.gemm.spec.n)
-
-    while band > 1 and floats(band) > BAND_FLOATS:
-        band -= 1
+    band = band_height(g, pair.gemm.spec.n, threads)
     tm = band * g.ow
     e = own_gemm(lower_blocked(graph, anchor, members, threads, tile=(tm, g.c)))
     e = replace(e, epilogue=store_in_tile(e.epilogue, out, g.c))
@@ -267,6 +260,21 @@ def _expand(
         expanded_value=expanded.name,
         band=band,
     )
+
+
+def band_height(g: Geometry, n: int, threads: int) -> int:
+    """Output rows per band: a band per thread at least, and the tallest band whose floats
+    (the input rows its windows reach, reach(b) = min(H, (b - 1) * sh + span), then its
+    rows of 2 C + N) fit in BAND_FLOATS, 1 at the least. One expression of the sizes (no
+    search: with symbolic sizes every size prints it alike): the floats are the smaller of
+    a line in b and the line with the reach at H, so the bands that fit are those under
+    either line's bound."""
+    start = max(1, min(g.oh, -(-g.n * g.oh // threads)))
+    span = (g.kh - 1) * g.dh + 1
+    per_row = g.ow * (2 * g.c + n)
+    under_reach = (BAND_FLOATS - (span - g.sh) * g.w * g.c) // (g.sh * g.w * g.c + per_row)
+    under_whole = (BAND_FLOATS - g.h * g.w * g.c) // per_row
+    return max(1, min(start, max(under_reach, under_whole)))
 
 
 def store_in_tile(k: Kernel, buf: str, ld: int) -> Kernel:
