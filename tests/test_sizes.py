@@ -225,6 +225,25 @@ def test_a_strided_window_keeps_its_positions_as_an_expression(h: int) -> None:
             assert value_at(m.shape[2], {"opfuse_s1": v}) == at(v)
 
 
+def test_expressions_the_trials_cannot_tell_apart_are_tried_where_they_differ() -> None:
+    """Sizes derived from the symbols (X = 1 + (s - 1) // 16) move little in the trials:
+    X // 2 + 1 passes for (X + 1) // 2 while X stays odd, and a square image's H-derived
+    size passes for the W-derived one. Each size then printed its own expression."""
+    from opfuse.ir.graph import GraphBuilder, TensorMeta
+    from opfuse.ir.meta import infer_meta
+
+    aten = torch.ops.aten
+    sh, sw = Size.symbol("s63", 168), Size.symbol("s59", 168)
+    h, w = 1 + (sh - 1) // 16, 1 + (sw - 1) // 16  # 11 and 11: odd
+    b = GraphBuilder()
+    x = b.add("input", (), meta=TensorMeta((2, 8, h, w), (8 * h * w, h * w, w, 1), torch.float32))
+    pool = infer_meta(aten.max_pool2d.default, (x, [3, 3], [2, 2], [1, 1], [1, 1], False), {})
+    for at_h, at_w in ((168, 168), (184, 168), (168, 184), (200, 232), (17, 1000)):
+        want = [(1 + (v - 1) // 16 + 1) // 2 for v in (at_h, at_w)]
+        values = {"opfuse_s63": at_h, "opfuse_s59": at_w}
+        assert [value_at(d, values) for d in pool.shape[2:]] == want, (at_h, at_w)
+
+
 class _ConvNet(nn.Module):
     def __init__(self, depthwise: bool) -> None:
         super().__init__()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -111,37 +111,99 @@ def _with_sizes(
     except Exception:  # the op admits no other sizes (a shape a constant fixes)
         return meta
 
-    def pick(v0: int, vs: list[int], cands: list[int]) -> int:
+    probes: dict[tuple[int, ...], Any] = {}
+
+    def probe(t: dict[str, int]) -> Any:
+        key = tuple(t[n] for n in names)
+        if key not in probes:
+            try:
+                probes[key] = _to_meta(_run(target, args, kwargs, t), "meta")
+            except Exception:
+                probes[key] = None
+        return probes[key]
+
+    def pick(v0: int, vs: list[int], cands: list[int], at: Callable[[Any], int | None]) -> int:
         if all(v == v0 for v in vs):
             return v0
-        for group in (cands, _scaled(known, v0), _summed(known, v0), _windowed(known, v0)):
-            for c in group:
-                if int(c) == v0 and all(value_at(c, t) == v for t, v in zip(trials, vs)):
-                    return c
+        groups = (cands, _scaled(known, v0), _summed(known, v0), _windowed(known, v0))
+
+        def fits(group: Iterable[int]) -> list[int]:
+            return [
+                c
+                for c in group
+                if int(c) == v0 and all(value_at(c, t) == v for t, v in zip(trials, vs))
+            ]
+
+        for k, group in enumerate(groups):
+            found = fits(group)
+            if found:
+                if 0 < k < len(groups) - 1:  # c // 2 may be a window's (c + 1) // 2
+                    found += fits(groups[-1])
+                return _settle(found, at)
         return v0
 
-    def one(m: TensorMeta, others: list[TensorMeta]) -> TensorMeta:
+    def _settle(found: list[int], at: Callable[[Any], int | None]) -> int:
+        """One of the expressions the trials left, tried where they differ: two forms
+        may agree on every trial yet not elsewhere ((X + 1) // 2 and X // 2 + 1 on odd X,
+        an X the symbols' trial moves keep odd; H // 16 and W // 16 of a square image,
+        which moves of 3 and 7 leave equal), and each size would print its own."""
+        alive = found
+        for d in range(1, 65):
+            if len({_text(c) for c in alive}) <= 1:
+                break
+            t = {n: values[n] + d * (1 + k) for k, n in enumerate(names)}
+            if len({value_at(c, t) for c in alive}) > 1:
+                got = at(probe(t))
+                if got is None:
+                    break
+                alive = [c for c in alive if value_at(c, t) == got] or alive[:1]
+        return alive[0]
+
+    def one(m: TensorMeta, others: list[TensorMeta], get: Callable[[Any], Any]) -> TensorMeta:
         if any(o is None or o.ndim != m.ndim for o in others):
             return m
+
+        def at(part: str, i: int) -> Callable[[Any], int | None]:
+            def value(out: Any) -> int | None:
+                o = get(out) if out is not None else None
+                if not isinstance(o, TensorMeta) or o.ndim != m.ndim:
+                    return None
+                return o.offset if part == "offset" else getattr(o, part)[i]
+
+            return value
+
         shape = tuple(
-            pick(v, [o.shape[i] for o in others], list(known)) for i, v in enumerate(m.shape)
+            pick(v, [o.shape[i] for o in others], list(known), at("shape", i))
+            for i, v in enumerate(m.shape)
         )
         dense = _dense_strides(shape, m.stride)
         stride = tuple(
-            pick(v, [o.stride[i] for o in others], [dense[i], *known])
+            pick(v, [o.stride[i] for o in others], [dense[i], *known], at("stride", i))
             for i, v in enumerate(m.stride)
         )
-        offset = pick(m.offset, [o.offset for o in others], list(known))
+        offset = pick(m.offset, [o.offset for o in others], list(known), at("offset", 0))
         return TensorMeta(shape, stride, m.dtype, m.device, offset)
 
-    def walk(m: Any, others: list[Any]) -> Any:
+    def walk(m: Any, others: list[Any], get: Callable[[Any], Any]) -> Any:
         if isinstance(m, TensorMeta):
-            return one(m, others)
+            return one(m, others, get)
         if isinstance(m, tuple) and all(isinstance(o, tuple) and len(o) == len(m) for o in others):
-            return tuple(walk(x, [o[i] for o in others]) for i, x in enumerate(m))
+            return tuple(walk(x, [o[i] for o in others], _item(get, i)) for i, x in enumerate(m))
         return m
 
-    return walk(meta, outs)
+    return walk(meta, outs, lambda out: out)
+
+
+def _item(get: Callable[[Any], Any], i: int) -> Callable[[Any], Any]:
+    def item(out: Any) -> Any:
+        o = get(out)
+        return o[i] if isinstance(o, tuple) and i < len(o) else None
+
+    return item
+
+
+def _text(c: int) -> str:
+    return c.text if isinstance(c, Size) else str(int(c))
 
 
 def _scaled(known: list[Size], v0: int) -> list[int]:
