@@ -322,6 +322,32 @@ def test_a_strided_conv_net_over_image_sizes_compiles_from_one_export(
     assert all(r.dynamic for r in reports[1:])
 
 
+def test_torch_compile_dynamic_fuses_a_strided_conv_net_over_image_sizes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """dynamic=True makes H and W symbolic: the graph compiled (it fell back to torch
+    whole on the relayout's ZeroDivisionError) and every later image size shares its
+    build."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, 2, 1), nn.BatchNorm2d(16), nn.ReLU6(),
+        nn.Conv2d(16, 16, 3, 1, 1, groups=16), nn.ReLU6(), nn.Conv2d(16, 32, 1),
+        nn.MaxPool2d(3, 2, 1), nn.Conv2d(32, 32, 3, 2, 1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
+    ).eval()  # fmt: skip
+    runs = count_compiler_runs(monkeypatch)
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="opfuse", dynamic=True)
+    counts = []
+    with torch.no_grad():
+        for s in (40, 48, 56, 64):
+            x = torch.randn(2, 3, s, s)
+            torch.testing.assert_close(f(x), model(x), rtol=1e-4, atol=1e-4)
+            counts.append(len(runs))
+    torch._dynamo.reset()
+    assert counts[0] >= 1 and counts[0] == counts[-1], counts
+
+
 def test_gemm_tiles_print_one_expression_per_size_range() -> None:
     """The tile of rows is a closed form of M (ir/size.py prints it): every M of a regime
     gets the same text, where halving until the tile fit printed a step per doubling."""
