@@ -10,7 +10,8 @@
   opfuse.compile at the first length (which exports it again with the length symbolic at
   the second), each length timed against eager and against opfuse compiled for that length
   alone (static).
-- A convolution network over batch sizes, the same way (serving sees every batch size).
+- A convolution network over batch sizes, the same way (serving sees every batch size),
+  and over image sizes (detection and segmentation take images as they come).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from .timing import time_interleaved
 
 LENGTHS = (16, 32, 64, 96, 128, 192, 256, 512)
 BATCHES = (1, 2, 3, 4, 6, 8)
+IMAGES = (160, 176, 192, 208, 224)
 
 
 class _Counter:
@@ -119,6 +121,20 @@ def run_batches(
         return (torch.randn(b, *x.shape[1:], generator=torch.Generator().manual_seed(b)),)
 
     return _over_sizes(model, inputs, batches, f"{name} batch {{}}", reps)
+
+
+def run_images(
+    reps: int, sizes: tuple[int, ...] = IMAGES, name: str = "mobilenet_v2"
+) -> list[Result]:
+    """A convolution network over square image sizes at batch 1: the height and width the
+    symbolic sizes (strided windows' output sizes expressions of them)."""
+    model, (x,) = models.build(name, 1)
+
+    def inputs(s: int) -> tuple[torch.Tensor, ...]:
+        g = torch.Generator().manual_seed(s)
+        return (torch.randn(1, x.shape[1], s, s, generator=g),)
+
+    return _over_sizes(model, inputs, sizes, f"{name} {{}} px", reps)
 
 
 def _over_sizes(
