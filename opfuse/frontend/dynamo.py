@@ -97,6 +97,8 @@ class _GraphRunner:
         # the calls that pass the same tensors, unchanged (watch.FrozenInputs)
         self.frozen = frozen
         self.watches: dict[tuple[Any, ...], FrozenInputs] = {}
+        self._live_at: list[int] = []
+        self._live_for: frozenset[int] = frozenset()
         self.changes = 0  # compiles again because a frozen parameter changed
         self.fallback = fallback
         self.options = options
@@ -109,12 +111,22 @@ class _GraphRunner:
             self._compile([_unit_strides(a) for a in example_inputs])
 
     def _key(self, args: Sequence[Any]) -> tuple[Any, ...]:
+        """The signature of a call: the arguments' sizes, strides, dtypes and devices, but
+        the frozen parameters' (the same tensors, unchanged, or the watch compiles again:
+        keying MobileNetV2's 262 of them cost 0.35 ms a call)."""
         return tuple(
             (tuple(a.shape), tuple(a.stride()), a.dtype, str(a.device))
             if isinstance(a, torch.Tensor)
             else ("value", a)
-            for a in args
+            for a in (args if not self.frozen else [args[k] for k in self._live(len(args))])
         )
+
+    def _live(self, n: int) -> list[int]:
+        """The positions of the n arguments that are not frozen."""
+        if len(self._live_at) != n or self._live_for is not self.frozen:
+            self._live_at = [k for k in range(n) if k not in self.frozen]
+            self._live_for = self.frozen
+        return self._live_at
 
     def _compile(
         self, args: Sequence[Any], given: Sequence[Any] | None = None
@@ -171,7 +183,12 @@ class _GraphRunner:
         return self._compile(args, given)
 
     def __call__(self, given: list[Any]) -> Any:
-        args = [_unit_strides(a) for a in given]
+        if self.frozen:  # (compiled in: their strides are not keyed, nor read)
+            args = list(given)
+            for k in self._live(len(given)):
+                args[k] = _unit_strides(given[k])
+        else:
+            args = [_unit_strides(a) for a in given]
         key = self._key(args)
         if key in self.cache:
             entry = self.cache[key]
