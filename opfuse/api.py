@@ -496,7 +496,9 @@ class CompiledModule(torch.nn.Module):
         backward that runs eager's forward at these inputs again and differentiates it.
         Only a backward pays for the second forward."""
         needs = self._needs_grad(cap)
-        if needs is None:
+        if needs is None or any(role != "user" for role, _ in cap.output_roles):
+            # (a graph that writes its inputs or buffers: running the model again, for a
+            # backward or through torch.compile, would write them twice)
             return out
         flat, spec = structure.flatten(out)
         if len(flat) != len(needs):

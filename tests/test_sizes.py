@@ -286,6 +286,18 @@ def test_a_conv_net_over_batch_sizes_builds_per_size_range(
             assert any("opfuse-dw" in u.split(" ")[0] for u in used), used
 
 
+def _strided_net() -> nn.Module:
+    """Strided convolutions, a depthwise one, a padded max pool and a global mean: every
+    size after the stem an expression of the image's height and width."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, 2, 1), nn.BatchNorm2d(16), nn.ReLU6(),
+        nn.Conv2d(16, 16, 3, 1, 1, groups=16), nn.ReLU6(), nn.Conv2d(16, 32, 1),
+        nn.MaxPool2d(3, 2, 1), nn.Conv2d(32, 32, 3, 2, 1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
+    ).eval()  # fmt: skip
+
+
 def test_a_strided_conv_net_over_image_sizes_compiles_from_one_export(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -296,13 +308,7 @@ def test_a_strided_conv_net_over_image_sizes_compiles_from_one_export(
     import opfuse
     from opfuse import api
 
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 16, 3, 2, 1), nn.BatchNorm2d(16), nn.ReLU6(),
-        nn.Conv2d(16, 16, 3, 1, 1, groups=16), nn.ReLU6(), nn.Conv2d(16, 32, 1),
-        nn.MaxPool2d(3, 2, 1), nn.Conv2d(32, 32, 3, 2, 1), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
-    ).eval()  # fmt: skip
+    model = _strided_net()
     failed: list[str] = []
     monkeypatch.setattr(api.log, "debug", lambda msg, *a: failed.append(msg % a))
     runs = count_compiler_runs(monkeypatch)
@@ -328,13 +334,7 @@ def test_torch_compile_dynamic_fuses_a_strided_conv_net_over_image_sizes(
     """dynamic=True makes H and W symbolic: the graph compiled (it fell back to torch
     whole on the relayout's ZeroDivisionError) and every later image size shares its
     build."""
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        nn.Conv2d(3, 16, 3, 2, 1), nn.BatchNorm2d(16), nn.ReLU6(),
-        nn.Conv2d(16, 16, 3, 1, 1, groups=16), nn.ReLU6(), nn.Conv2d(16, 32, 1),
-        nn.MaxPool2d(3, 2, 1), nn.Conv2d(32, 32, 3, 2, 1), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
-    ).eval()  # fmt: skip
+    model = _strided_net()
     runs = count_compiler_runs(monkeypatch)
     torch._dynamo.reset()
     f = torch.compile(model, backend="opfuse", dynamic=True)
