@@ -96,11 +96,12 @@ _TRIALS = (
 def _with_sizes(
     meta: Any, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], known: list[Size]
 ) -> Any:
-    """`meta` with a Size in each place where one of the `known` Sizes (or, for a stride,
-    the dense stride over the result's own Sizes) gives its value at this size and also
-    at two other values of the symbols, in trial runs of the op. Anything else stays an
-    int: correct, only specific to this size. Sound by the same argument as ir/size.py:
-    the printed expression is checked to give the value every decision read."""
+    """`meta` with a Size in each place where an expression of the `known` Sizes (one of
+    them, for a stride the dense stride over the result's own Sizes, or the forms `pick`
+    tries) gives its value at this size and at three other values of the symbols, in
+    trial runs of the op; where several do, the one that also holds where they differ.
+    Anything else stays an int: correct, only specific to this size. Sound by the same
+    argument as ir/size.py: the printed expression gives the value every decision read."""
     names = sorted({n for k in known for n, _ in k.leaves})
     if len(names) > len(_TRIALS[0]):
         return meta
@@ -139,10 +140,10 @@ def _with_sizes(
             if found:
                 if 0 < k < len(groups) - 1:  # c // 2 may be a window's (c + 1) // 2
                     found += fits(groups[-1])
-                return _settle(found, at)
+                return settle(found, at)
         return v0
 
-    def _settle(found: list[int], at: Callable[[Any], int | None]) -> int:
+    def settle(found: list[int], at: Callable[[Any], int | None]) -> int:
         """One of the expressions the trials left, tried where they differ: two forms
         may agree on every trial yet not elsewhere ((X + 1) // 2 and X // 2 + 1 on odd X,
         an X the symbols' trial moves keep odd; H // 16 and W // 16 of a square image,
