@@ -530,8 +530,9 @@ class CompiledModule(torch.nn.Module):
 
     def _needs_grad(self, cap: Captured) -> list[bool] | None:
         """Per user output of `cap`: does it depend on a parameter that requires grad now
-        (its graph's constants share their storage)? None where none does. Found once per
-        capture and set of such parameters."""
+        (a constant of its graph shares the storage of the tensor it froze under that
+        parameter's name)? None where none does. Found once per capture and set of such
+        parameters."""
         flags = tuple(map(_REQUIRES_GRAD, self.__dict__["_params"]))
         if not any(flags):
             return None
@@ -539,7 +540,9 @@ class CompiledModule(torch.nn.Module):
         hit = cache.get((id(cap), flags))
         if hit is not None and hit[0] is cap:
             return hit[1]
-        ptrs = {p.data_ptr() for p, f in zip(self.__dict__["_params"], flags) if f}
+        # by name: a deep copy's graphs hold the original's tensors until either changes
+        wanted = {n for n, p in self.__dict__["_model"].named_parameters() if p.requires_grad}
+        ptrs = {t.data_ptr() for n, t in cap.frozen.items() if n in wanted}
         g = cap.graph
         depends: dict[Any, bool] = {}
         for n in g.nodes:  # in order: inputs before their users

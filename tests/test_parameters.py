@@ -431,3 +431,21 @@ def test_a_frozen_graph_keys_calls_by_its_live_inputs_only(monkeypatch: pytest.M
         assert_matches_eager(m, f(x), (x,))
     assert [t is x for t in seen] == [True]  # the input alone
     torch._dynamo.reset()
+
+
+def test_a_deep_copy_with_grad_differentiates_its_own_parameters() -> None:
+    """A deep copy's graphs hold the original's tensors until either changes: which of its
+    outputs need grad is found by parameter name, and its backward is its own model's."""
+    m, x = _net()
+    fast = opfuse.compile(m, (x,))
+    fast(x)
+    twin = copy.deepcopy(fast)
+    out = twin(x)
+    assert out.requires_grad
+    out.sum().backward()
+    own = twin.__dict__["_model"]
+    want = copy.deepcopy(own)
+    want.zero_grad()
+    want(x).sum().backward()
+    torch.testing.assert_close(own.fc.weight.grad, want.fc.weight.grad)
+    assert m.fc.weight.grad is None  # the original's untouched
