@@ -474,6 +474,12 @@ class CompiledModule(torch.nn.Module):
         if entry.compiled is None:
             return self._through_dynamo(*args, **kwargs)
         cap = entry.captured
+        if (
+            torch.is_grad_enabled()
+            and id(cap) in self.__dict__.get("_shared_outputs", ())
+            and self._needs_grad(cap) is not None
+        ):
+            return self._through_dynamo(*args, **kwargs)  # (seen: not run twice)
         inputs = [leaves[k] if role == "user" else cap.state[k] for role, k in cap.input_roles]
         outs = entry.compiled(inputs)
         user: list[Any] = []
@@ -504,28 +510,38 @@ class CompiledModule(torch.nn.Module):
         if len(flat) != len(needs):
             return self._through_dynamo(*args, **kwargs)
         picked = [k for k, t in enumerate(flat) if needs[k] and t.dtype.is_floating_point]
-        storages = [flat[k].untyped_storage().data_ptr() for k in picked]
-        if len(set(storages)) < len(storages):
+        # one tensor returned in several places (hidden_states[-1] is last_hidden_state)
+        # is one output of the node, as it is one tensor in eager's
+        first: dict[int, int] = {}
+        for k in picked:
+            first.setdefault(id(flat[k]), k)
+        unique = list(first.values())
+        storages = {flat[k].untyped_storage().data_ptr() for k in unique}
+        if len(storages) < len(unique):
             # outputs that share memory: eager's writes through one show in the other,
             # and autograd tracks them as views of one another; torch.compile keeps that
+            self.__dict__.setdefault("_shared_outputs", set()).add(id(cap))
             return self._through_dynamo(*args, **kwargs)
-        for k in picked:
+        outs = []
+        for k in unique:
             t = flat[k]
             if t._is_view():  # autograd forbids writing in place to a custom node's views
-                flat[k] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-                flat[k].copy_(t)
+                t = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+                t.copy_(flat[k])
+            outs.append(t)
         model = self.__dict__["_model"]
 
         def recompute() -> list[torch.Tensor]:
             again, _ = structure.flatten(model(*args, **kwargs))
             if len(again) != len(flat):
                 raise RuntimeError("opfuse: the model's outputs changed structure since")
-            return [again[k] for k in picked]
+            return [again[k] for k in unique]
 
         params = list(filter(_REQUIRES_GRAD, self.__dict__["_params"]))
-        grads = _Recomputed.apply(_Again(recompute, params, [flat[k] for k in picked]), *params)
-        for k, g in zip(picked, grads):
-            flat[k] = g
+        grads = _Recomputed.apply(_Again(recompute, params, outs), *params)
+        by_id = {id(flat[k]): g for k, g in zip(unique, grads)}
+        for k in picked:
+            flat[k] = by_id[id(flat[k])]
         return structure.unflatten(spec, flat)
 
     def _needs_grad(self, cap: Captured) -> list[bool] | None:

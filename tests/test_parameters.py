@@ -412,6 +412,8 @@ def test_views_among_the_outputs_with_grad_run_through_torch_compile() -> None:
     rb.add_(1)
     ra.sum().backward()
     torch.testing.assert_close(two.lin.weight.grad, ref.lin.weight.grad)
+    assert fast.__dict__["_shared_outputs"]  # later calls go there without running the graph
+    assert_matches_eager(ref, tuple(t.detach() for t in fast(x)), (x,))
 
 
 def test_a_frozen_graph_keys_calls_by_its_live_inputs_only(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -449,3 +451,29 @@ def test_a_deep_copy_with_grad_differentiates_its_own_parameters() -> None:
     want(x).sum().backward()
     torch.testing.assert_close(own.fc.weight.grad, want.fc.weight.grad)
     assert m.fc.weight.grad is None  # the original's untouched
+
+
+def test_one_tensor_returned_twice_with_grad_is_one_output() -> None:
+    """hidden_states[-1] is last_hidden_state: the same tensor in two places stays one
+    tensor (no fallback to torch.compile), its gradient as eager's."""
+    torch.manual_seed(0)
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x: torch.Tensor) -> Any:
+            y = self.lin(x).tanh()
+            return {"last": y, "all": (x, y)}
+
+    m = Twice().eval()
+    ref = copy.deepcopy(m)
+    x = torch.randn(4, 8)
+    fast = opfuse.compile(m, (x,))
+    out, want = fast(x), ref(x)
+    assert out["last"] is out["all"][1] and out["last"].requires_grad
+    assert not fast.__dict__.get("_shared_outputs")
+    (out["last"] * 2 + out["all"][1]).sum().backward()
+    (want["last"] * 2 + want["all"][1]).sum().backward()
+    torch.testing.assert_close(m.lin.weight.grad, ref.lin.weight.grad)
