@@ -5,6 +5,7 @@ prepacked, read in place, autograd, new shapes) then computes with the new value
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -361,19 +362,26 @@ def test_an_eval_model_called_with_grad_gets_eagers_parameter_gradients() -> Non
         assert not fast(x).requires_grad
 
 
+class _Returns(nn.Module):
+    """A linear layer whose forward returns `how(y, x)` of its result y and its input x:
+    the outputs' shapes of sharing each gradient test needs."""
+
+    def __init__(self, how: Callable[[torch.Tensor, torch.Tensor], Any]) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.how(self.lin(x), x)
+
+
 def test_with_grad_only_outputs_that_depend_on_parameters_require_grad() -> None:
-    torch.manual_seed(0)
+    def mixed(y: torch.Tensor, x: torch.Tensor) -> Any:
+        y = y.relu()
+        return y.t(), x.sin() * 2, y.argmax(-1)
 
-    class Mixed(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(8, 8)
-
-        def forward(self, x: torch.Tensor) -> Any:
-            y = self.lin(x).relu()
-            return y.t(), x.sin() * 2, y.argmax(-1)
-
-    m = Mixed().eval()
+    m = _Returns(mixed).eval()
     x = torch.randn(4, 8)
     fast = opfuse.compile(m, (x,))
     got, want = fast(x), m(x)
@@ -390,18 +398,11 @@ def test_with_grad_only_outputs_that_depend_on_parameters_require_grad() -> None
 
 
 def test_views_among_the_outputs_with_grad_run_through_torch_compile() -> None:
-    torch.manual_seed(0)
+    def views(y: torch.Tensor, x: torch.Tensor) -> Any:
+        y = y * 2
+        return y, y.view(-1)
 
-    class Two(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(8, 8)
-
-        def forward(self, x: torch.Tensor) -> Any:
-            y = self.lin(x) * 2
-            return y, y.view(-1)
-
-    two = Two().eval()
+    two = _Returns(views).eval()
     ref = copy.deepcopy(two)
     x = torch.randn(4, 8)
     fast = opfuse.compile(two, (x,))
@@ -456,18 +457,12 @@ def test_a_deep_copy_with_grad_differentiates_its_own_parameters() -> None:
 def test_one_tensor_returned_twice_with_grad_is_one_output() -> None:
     """hidden_states[-1] is last_hidden_state: the same tensor in two places stays one
     tensor (no fallback to torch.compile), its gradient as eager's."""
-    torch.manual_seed(0)
 
-    class Twice(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = nn.Linear(8, 8)
+    def twice(y: torch.Tensor, x: torch.Tensor) -> Any:
+        y = y.tanh()
+        return {"last": y, "all": (x, y)}
 
-        def forward(self, x: torch.Tensor) -> Any:
-            y = self.lin(x).tanh()
-            return {"last": y, "all": (x, y)}
-
-    m = Twice().eval()
+    m = _Returns(twice).eval()
     ref = copy.deepcopy(m)
     x = torch.randn(4, 8)
     fast = opfuse.compile(m, (x,))
