@@ -153,7 +153,6 @@ class CompiledModule(torch.nn.Module):
         # Not a registered submodule: .to()/.train() on this wrapper must not touch the
         # caller's model.
         self.__dict__["_model"] = model
-        self._watch_modes(model)
         self._autocast = _autocast()  # the graphs' dtypes follow it
         self._options = options
         self._recompile = recompile
@@ -197,8 +196,7 @@ class CompiledModule(torch.nn.Module):
         new = CompiledModule.__new__(CompiledModule)
         torch.nn.Module.__init__(new)
         new.__dict__["_model"] = copy.deepcopy(self.__dict__["_model"], memo)
-        new._watch_modes(new.__dict__["_model"])
-        new._modes = self._modes  # the copy's graphs are the original's
+        new._watch_modes(new.__dict__["_model"])  # (its modes are the original's)
         new._autocast = self._autocast
         new._options, new._recompile = self._options, self._recompile
         new._cache_limit = self._cache_limit
@@ -225,7 +223,8 @@ class CompiledModule(torch.nn.Module):
     def _watch_modes(self, model: torch.nn.Module) -> None:
         """The graphs hold every submodule's mode at the compile (dropout off, BatchNorm
         with running statistics): each call compares them (a few us for a hundred
-        modules)."""
+        modules). Taken at every compile, with the parameters the gradient path reads: a
+        compile after a submodule was replaced watches the new one."""
         self.__dict__["_submodules"] = list(model.modules())
         self.__dict__["_params"] = list(model.parameters())
         self._modes = list(map(_TRAINING, self.__dict__["_submodules"]))
@@ -274,7 +273,7 @@ class CompiledModule(torch.nn.Module):
             self._first = entry
         self._entries[sig] = entry
         self._watch = ParameterWatch(model, self._frozen())
-        self.__dict__["_params"] = list(model.parameters())
+        self._watch_modes(model)
         return entry
 
     def _share_state(self, captured: Captured) -> Captured:
