@@ -91,6 +91,7 @@ _TRIALS = (
     (5, 11, 17, 23, 31, 41, 47, 59),
     (62, 34, 90, 66, 78, 146, 98, 122),
 )
+_REFUSED = object()  # a trial run the op refused
 
 
 def _with_sizes(
@@ -106,22 +107,22 @@ def _with_sizes(
     if len(names) > len(_TRIALS[0]):
         return meta
     values = dict(k for s in known for k in s.leaves)
-    trials = [{n: values[n] + d for n, d in zip(names, ds)} for ds in _TRIALS]
-    try:
-        outs = [_to_meta(_run(target, args, kwargs, t), "meta") for t in trials]
-    except Exception:  # the op admits no other sizes (a shape a constant fixes)
-        return meta
-
     probes: dict[tuple[int, ...], Any] = {}
 
     def probe(t: dict[str, int]) -> Any:
+        """The op's meta at symbol values t (_REFUSED where it admits none there)."""
         key = tuple(t[n] for n in names)
         if key not in probes:
             try:
                 probes[key] = _to_meta(_run(target, args, kwargs, t), "meta")
             except Exception:
-                probes[key] = None
+                probes[key] = _REFUSED
         return probes[key]
+
+    trials = [{n: values[n] + d for n, d in zip(names, ds)} for ds in _TRIALS]
+    outs = [probe(t) for t in trials]
+    if any(o is _REFUSED for o in outs):  # no other sizes (a shape a constant fixes)
+        return meta
 
     def pick(v0: int, vs: list[int], cands: list[int], at: Callable[[Any], int | None]) -> int:
         if all(v == v0 for v in vs):
@@ -166,7 +167,7 @@ def _with_sizes(
 
         def at(part: str, i: int) -> Callable[[Any], int | None]:
             def value(out: Any) -> int | None:
-                o = get(out) if out is not None else None
+                o = get(out)
                 if not isinstance(o, TensorMeta) or o.ndim != m.ndim:
                     return None
                 return o.offset if part == "offset" else getattr(o, part)[i]

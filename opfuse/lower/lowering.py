@@ -623,7 +623,7 @@ def _count(n: int, dtype: torch.dtype) -> Expr:
     """A number of elements as a value of `dtype`: a Size stays its expression (a mean's
     divisor over symbolic sizes then prints alike for every size), an int a constant."""
     if isinstance(n, Size):
-        return cast(position(Ix((), n)), dtype)
+        return cast(position(Ix.of(n)), dtype)
     return const(n, dtype)
 
 
