@@ -24,6 +24,7 @@ from .options import Options
 from .pipeline import CompiledGraph, compile_graph, warn_once
 from .report.make import count_kernels
 from .report.tables import FusionReport, RejectReport
+from .runtime.heap import collector_paused
 
 log = logging.getLogger("opfuse")
 
@@ -240,6 +241,7 @@ class CompiledModule(torch.nn.Module):
         ordered.update({k: v for k, v in kwargs.items() if k not in ordered})
         return ordered
 
+    @collector_paused()  # (runtime/heap.py: full collections cost compiles 15%)
     def _compile(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], family: Family | None
     ) -> _Entry:

@@ -44,7 +44,7 @@ from .report.make import make_report
 from .report.tables import FoldReport, FusionReport, RejectReport
 from .rewrite.passes import REWRITES
 from .runtime.execute import Runtime
-from .runtime.heap import release_freed_memory
+from .runtime.heap import collector_paused, release_freed_memory
 from .runtime.plan import build_plan, copied
 
 log = logging.getLogger("opfuse")
@@ -101,7 +101,7 @@ def compile_graphs(
     kernels are built as one library (the static regions of a graph with symbolic sizes:
     one compiler run, the kernels their layers repeat built once)."""
     opts = options or Options()
-    with scalar.sized(size_symbols(graphs)):
+    with collector_paused(), scalar.sized(size_symbols(graphs)):
         return _compile_graphs(graphs, opts, eager_kernels)
 
 

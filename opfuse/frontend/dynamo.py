@@ -21,6 +21,7 @@ from ..pipeline import CompiledGraph, compile_graph, compile_graphs, warn_once
 from ..report.make import count_kernels
 from ..report.tables import FusionReport
 from ..rewrite.fx_layout import channels_last_convolutions
+from ..runtime.heap import collector_paused
 from .capture import capture_fx
 from .decompose import decompositions, keep_whole
 from .dynamic import has_symbols, install, split_static, static_share, symbols
@@ -137,7 +138,7 @@ class _GraphRunner:
         try:
             # AOTAutograd may call the compiler with its fake-tensor mode still active:
             # constant folding and autotuning compute with real tensors.
-            with unset_fake_temporarily():
+            with unset_fake_temporarily(), collector_paused():
                 graph, positions = capture_fx(self.gm, args, self.static, self.frozen)
                 compiled = compile_graph(graph, self.options, count_kernels(graph))
             entry = (compiled, positions)
