@@ -136,6 +136,33 @@ def _fmt(v: Any) -> str:
     return str(list(v)) if isinstance(v, tuple) else str(v)
 
 
+class _CompileLock:
+    """A compiled module's lock, which turns the one way a thread meets it again while
+    holding it into the error eager gives: the model calling its own compiled module
+    (`model.forward = opfuse.compile(model, ...)`) recurses forever."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+
+    def __enter__(self) -> None:
+        me = threading.get_ident()
+        if self._owner == me:
+            raise RecursionError(
+                "opfuse: the compiled module was called again while compiling for a call "
+                "to it: the model calls its own compiled module (as after `model.forward "
+                "= opfuse.compile(model, ...)`, which eager would recurse on forever); "
+                "call the compiled module instead of the model, or compile "
+                "`model.forward` itself"
+            )
+        self._lock.acquire()
+        self._owner = me
+
+    def __exit__(self, *exc: object) -> None:
+        self._owner = None
+        self._lock.release()
+
+
 class CompiledModule(torch.nn.Module):
     """What `opfuse.compile` returns for a model in eval mode: computes what the model
     computes with fused kernels. Parameters and buffers were frozen at compile time."""
@@ -160,7 +187,7 @@ class CompiledModule(torch.nn.Module):
         self._cache_limit = cache_limit
         self._entries: dict[tuple[Any, ...], _Entry] = {}
         self._kw_order = list(kwargs)
-        self._lock = threading.Lock()
+        self._lock = _CompileLock()
         self._dynamo: Any = None
         self._watch: ParameterWatch | None = None
         self._followed = False  # warned that the parameters changed
@@ -205,7 +232,7 @@ class CompiledModule(torch.nn.Module):
         new._dynamic_shapes, new._families, new._exports = self._dynamic_shapes, [], 0
         new._generic_runs = {}
         new._kw_order = list(self._kw_order)
-        new._lock, new._dynamo = threading.Lock(), None
+        new._lock, new._dynamo = _CompileLock(), None
         new._entries = {}
         new._state = {k: v.clone() for k, v in self._state.items()}
         for sig, e in self._entries.items():

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import warnings
 from collections import OrderedDict, namedtuple
 from typing import Any
@@ -687,3 +688,28 @@ def test_a_call_under_another_autocast_state_computes_as_eager_does(compiled_und
         == (torch.float32 if compiled_under == "autocast" else torch.bfloat16)
     )
     torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+
+
+def test_a_model_calling_its_own_compiled_module_raises_as_eager_recursion_would() -> None:
+    """`model.forward = opfuse.compile(model, ...)`: a new shape compiles, which calls the
+    model, which calls the compiled module again. Eager recurses forever; the compiled
+    module says so instead of waiting on its own lock."""
+    pipeline._warned.clear()
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()
+    compiled = opfuse.compile(model, (torch.randn(2, 4),))
+    model.forward = compiled  # type: ignore[method-assign]
+    got: list[BaseException] = []
+
+    def call() -> None:
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            try:
+                compiled(torch.randn(3, 4))
+            except RecursionError as e:
+                got.append(e)
+
+    thread = threading.Thread(target=call, daemon=True)
+    thread.start()
+    thread.join(120)
+    assert not thread.is_alive(), "the call hung"
+    assert got and "calls its own compiled module" in str(got[0])
