@@ -3,6 +3,7 @@ retrace: the same ops, the same results, and one trace per distinct op and layou
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from typing import Any
 
@@ -139,3 +140,62 @@ def test_compiled_blocks_match_eager() -> None:
     c, y = ConvNet().eval(), torch.randn(2, 3, 16, 16)
     fast = opfuse.compile(c, (y,))
     assert_matches_eager(c, fast(y), (y,))
+
+
+def _export_symbolic(model: nn.Module, x: torch.Tensor, dims: dict[int, Any]) -> Any:
+    return torch.export.export(model.eval(), (x,), strict=False, dynamic_shapes=(dims,))
+
+
+@pytest.mark.parametrize(
+    ("model", "shape", "dims"),
+    [
+        # linear and LayerNorm decompose (a view of a size computed from the symbol);
+        # the length is a symbol
+        (
+            nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.GELU(), nn.Softmax(-1)),
+            (2, 7, 16),
+            {1: torch.export.Dim.AUTO},
+        ),
+        # conv2d decomposes to convolution, whose fake kernel guards on the image size
+        # to choose its output's layout (a guard of layout only, taken)
+        (
+            nn.Sequential(nn.Conv2d(3, 8, 3, 2, 1), nn.BatchNorm2d(8), nn.ReLU6()),
+            (1, 3, 20, 20),
+            {2: torch.export.Dim.AUTO, 3: torch.export.Dim.AUTO},
+        ),
+    ],
+)
+def test_a_symbolic_export_is_retraced_op_by_op(
+    monkeypatch: pytest.MonkeyPatch, model: nn.Module, shape: tuple[int, ...], dims: Any
+) -> None:
+    def refuse(*a: Any, **k: Any) -> Any:
+        raise AssertionError("run_decompositions was called")
+
+    monkeypatch.setattr(torch.export.ExportedProgram, "run_decompositions", refuse)
+    x = torch.randn(shape)
+    exported = capture.export_model(capture._Flat, model.eval(), (x,), {}, ((dims,),))
+    assert exported.symbolic and isinstance(exported.program, capture._Retraced)
+    gm = exported.program.graph_module
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert not targets & {"aten.layer_norm.default", "aten.linear.default", "aten.conv2d.default"}
+    compiled = opfuse.compile(model, (x,), dynamic_shapes=(dims,))
+    with torch.no_grad():
+        for grow in (0, 3, 5):
+            y = torch.randn(*(s + grow if i in dims else s for i, s in enumerate(shape)))
+            torch.testing.assert_close(compiled(y), model(y), rtol=1e-4, atol=1e-4)
+
+
+def test_a_decomposition_that_guards_on_a_symbol_is_refused() -> None:
+    """A decomposition that assumes something of the sizes (here: which branch) would hold
+    only where that assumption does; the retrace gives up and capture decomposes with
+    run_decompositions instead."""
+
+    def branching_gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+        return x * 2 if x.shape[1] > 5 else x * 3
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+    ep = _export_symbolic(model, torch.randn(2, 7, 4), {1: torch.export.Dim.AUTO})
+    table = {torch.ops.aten.gelu.default: branching_gelu}
+    assert decompose.retrace(ep.graph_module, table, contextlib.nullcontext) is None
+    plain = {torch.ops.aten.gelu.default: lambda x, approximate="none": x * 2}
+    assert decompose.retrace(ep.graph_module, plain, contextlib.nullcontext) is not None

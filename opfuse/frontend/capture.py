@@ -292,15 +292,30 @@ def _decompose_functional(gm: torch.fx.GraphModule) -> torch.fx.GraphModule | No
 
 
 def _plain_functional(gm: torch.fx.GraphModule) -> bool:
-    """Only ATen ops that write nothing (and getitem); no submodules."""
+    """Only ATen ops that write nothing (and getitem, and the arithmetic on sizes a
+    symbolic trace records); no submodules."""
     for n in gm.graph.nodes:
         if n.op == "get_attr":
             return False
         if n.op != "call_function" or n.target is operator.getitem:
             continue
-        if not isinstance(n.target, torch._ops.OpOverload) or n.target._schema.is_mutable:
+        if not isinstance(n.target, torch._ops.OpOverload):
+            if _size_arithmetic(n):
+                continue
+            return False
+        if n.target._schema.is_mutable:
             return False
     return True
+
+
+_SCALARS = (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)
+
+
+def _size_arithmetic(n: torch.fx.Node) -> bool:
+    """A node computing a number from sizes (`s0 * 7`, `sym_max`): capture takes its value
+    at each call's sizes, whatever function it is."""
+    module = getattr(n.target, "__module__", None)
+    return isinstance(n.meta.get("val"), _SCALARS) and module in ("_operator", "torch", "math")
 
 
 def count_eager_kernels(gm: torch.fx.GraphModule) -> int:
