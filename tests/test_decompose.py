@@ -199,3 +199,29 @@ def test_a_decomposition_that_guards_on_a_symbol_is_refused() -> None:
     assert decompose.retrace(ep.graph_module, table, contextlib.nullcontext) is None
     plain = {torch.ops.aten.gelu.default: lambda x, approximate="none": x * 2}
     assert decompose.retrace(ep.graph_module, plain, contextlib.nullcontext) is not None
+
+
+def test_a_refused_symbolic_retrace_leaves_the_sizes_symbolic() -> None:
+    """Bilinear upsampling's composite makes the batch a constant while it is traced
+    (Eq(s0, 5)); the retrace refuses it, and the export decomposed instead must be one
+    that guard never touched: the batch stays a symbol."""
+
+    class Up(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.conv = nn.Conv2d(2, 2, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = F.interpolate(x, scale_factor=2, mode="bilinear", align_corners=False)
+            return self.conv(y)
+
+    model, x = Up().eval(), torch.randn(5, 2, 8, 8)
+    dims = ({0: torch.export.Dim.AUTO},)
+    exported = capture.export_model(capture._Flat, model, (x,), {}, (dims,))
+    assert exported.symbolic
+    compiled = opfuse.compile(model, (x,), dynamic_shapes=dims)
+    with torch.no_grad():
+        for b in (3, 7):
+            y = torch.randn(b, 2, 8, 8)
+            torch.testing.assert_close(compiled(y), model(y), rtol=1e-4, atol=1e-4)
+    assert all("symbolic sizes" in " ".join(e.report.dynamic) for e in compiled._entries.values())

@@ -31,7 +31,14 @@ from torch.utils import _pytree as pytree
 
 from ..ir.graph import GETITEM, INPUT, STATIC, Graph, GraphBuilder, Source, TensorMeta
 from . import sizes, structure
-from .decompose import CALLER_ONEDNN, RECURRENT, decompositions, keep_whole
+from .decompose import (
+    CALLER_ONEDNN,
+    RECURRENT,
+    decompositions,
+    keep_whole,
+    shape_env_state,
+    symbolic_mode,
+)
 
 aten = torch.ops.aten
 
@@ -128,8 +135,20 @@ def export_model(
                 dynamic_shapes=dynamic_shapes,
             )
             eager_kernels = count_eager_kernels(ep.graph_module)
+            mode = symbolic_mode(ep.graph_module)
+            learnt = shape_env_state(mode) if mode is not None else None
             gm = _decompose_functional(ep.graph_module)
             if gm is None:
+                if mode is not None and shape_env_state(mode) != learnt:
+                    # The retrace it refused left guards in the export's sizes (one may
+                    # have made the batch a constant): decompose a fresh export instead.
+                    ep = torch.export.export(
+                        wrapper(model, box),
+                        tuple(args),
+                        kwargs or {},
+                        strict=False,
+                        dynamic_shapes=dynamic_shapes,
+                    )
                 with keep_whole():
                     ep = ep.run_decompositions(decompositions())
             else:

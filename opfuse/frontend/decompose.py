@@ -15,8 +15,9 @@ export's own fake mode, so its symbols stay the export's: each distinct op in a 
 of its own (a symbolic trace reads a size from whichever input first carried its symbol,
 which must be that op's own), taking size arguments as inputs too. BERT-base with the
 length symbolic: 0.34 s against `run_decompositions`' 3.9. A decomposition that would add a
-guard on the symbols (an assumption about the sizes the export did not make) is refused,
-and the caller decomposes with `run_decompositions`."""
+guard on the symbols (an assumption about the sizes the export did not make) is refused;
+the export's shape environment has learnt the guard by then, so the caller decomposes a
+fresh export with `run_decompositions`."""
 
 from __future__ import annotations
 
@@ -287,7 +288,7 @@ def retrace(
     what a splice cannot carry (a constant attribute, a submodule)."""
     ops: dict[Any, _Op] = {}
     calls: dict[torch.fx.Node, tuple[_Op, list[Any]]] = {}  # node -> its op, its arguments
-    mode = _symbolic_mode(gm)
+    mode = symbolic_mode(gm)
     args_ok = (torch.Tensor, torch.SymInt) if mode is not None else torch.Tensor
     for n in gm.graph.nodes:
         if n.op != "call_function" or n.target is operator.getitem:
@@ -322,7 +323,7 @@ def retrace(
     return torch.fx.GraphModule(gm, graph)
 
 
-def _symbolic_mode(gm: torch.fx.GraphModule) -> Any:
+def symbolic_mode(gm: torch.fx.GraphModule) -> Any:
     """The fake mode of a graph whose inputs have symbolic sizes, else None."""
     from torch._guards import detect_fake_mode
 
@@ -344,7 +345,8 @@ def _trace_symbolic(
     from torch.fx.experimental.proxy_tensor import make_fx
 
     env = mode.shape_env
-    guards, asserts = len(env.guards), sum(map(len, env.deferred_runtime_asserts.values()))
+    before = shape_env_state(mode)
+    guards = len(env.guards)
     for op in ops:
         vals = [op.flat[i].meta["val"] for i in op.at]
         with mode:
@@ -355,9 +357,18 @@ def _trace_symbolic(
             )
         if not _cut(traced, [op]):
             return False
-    if sum(map(len, env.deferred_runtime_asserts.values())) != asserts:
+    after = shape_env_state(mode)
+    if after[1:] != before[1:]:  # a size made a constant, or a runtime assertion
         return False
     return all(_layout_only(g) for g in env.guards[guards:])
+
+
+def shape_env_state(mode: Any) -> tuple[int, int, int]:
+    """How much a fake mode's shape environment has learnt: (guards, sizes it replaced by
+    an expression or a constant, runtime assertions). It only grows."""
+    env = mode.shape_env
+    asserts = sum(map(len, env.deferred_runtime_asserts.values()))
+    return len(env.guards), len(env.replacements), asserts
 
 
 def _layout_only(guard: Any) -> bool:
