@@ -121,19 +121,18 @@ def export_model(
     records their structure in box), decomposed to the ops opfuse fuses."""
     box: list[structure.Spec] = []
     CALLER_ONEDNN.set(torch._C._get_mkldnn_enabled())
+
+    def export() -> Any:
+        module, given = wrapper(model, box), (tuple(args), kwargs or {})
+        return torch.export.export(module, *given, strict=False, dynamic_shapes=dynamic_shapes)
+
     try:
         with warnings.catch_warnings():
             # torch.export's internals raise deprecation warnings users cannot act on, and
             # warn that nn.RNN modules refresh their weight list while traced.
             warnings.simplefilter("ignore", FutureWarning)
             warnings.filterwarnings("ignore", "The tensor attributes .* were assigned during")
-            ep: Any = torch.export.export(
-                wrapper(model, box),
-                tuple(args),
-                kwargs or {},
-                strict=False,
-                dynamic_shapes=dynamic_shapes,
-            )
+            ep: Any = export()
             eager_kernels = count_eager_kernels(ep.graph_module)
             mode = symbolic_mode(ep.graph_module)
             learnt = shape_env_state(mode) if mode is not None else None
@@ -142,13 +141,7 @@ def export_model(
                 if mode is not None and shape_env_state(mode) != learnt:
                     # The retrace it refused left guards in the export's sizes (one may
                     # have made the batch a constant): decompose a fresh export instead.
-                    ep = torch.export.export(
-                        wrapper(model, box),
-                        tuple(args),
-                        kwargs or {},
-                        strict=False,
-                        dynamic_shapes=dynamic_shapes,
-                    )
+                    ep = export()
                 with keep_whole():
                     ep = ep.run_decompositions(decompositions())
             else:
