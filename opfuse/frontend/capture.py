@@ -151,7 +151,7 @@ def export_model(
             f"torch.export could not trace the model: {type(e).__name__}: {e}"
         ) from e
     symbolic = any(
-        isinstance(v, torch.Tensor) and _has_symbols(v)
+        isinstance(v, torch.Tensor) and sizes.has_symbolic_sizes(v)
         for v in (n.meta.get("val") for n in ep.graph_module.graph.find_nodes(op="placeholder"))
     )
     return Exported(ep, box[-1], eager_kernels, symbolic)
@@ -171,10 +171,6 @@ class _Retraced:
         old = [n.name for n in ep.graph_module.graph.find_nodes(op="placeholder")]
         new = [n.name for n in gm.graph.find_nodes(op="placeholder")]
         self.renamed = dict(zip(old, new, strict=True))
-
-
-def _has_symbols(t: torch.Tensor) -> bool:
-    return any(sizes.is_symbolic(s) for s in (*t.shape, *t.stride()))
 
 
 def capture_exported(exported: Exported, args: Sequence[Any], kwargs: dict[str, Any]) -> Captured:

@@ -33,6 +33,8 @@ import torch
 import torch.fx
 from torch.utils import _pytree as pytree
 
+from . import sizes
+
 aten = torch.ops.aten
 
 # Upsampling runs torch's kernel (nearest by powers of two: an index map kernels read
@@ -329,7 +331,7 @@ def symbolic_mode(gm: torch.fx.GraphModule) -> Any:
 
     vals = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
     tensors = [v for v in vals if isinstance(v, torch.Tensor)]
-    if not any(isinstance(s, torch.SymInt) for t in tensors for s in (*t.shape, *t.stride())):
+    if not any(map(sizes.has_symbolic_sizes, tensors)):
         return None
     mode = detect_fake_mode(tensors)
     return mode if mode is not None and mode.shape_env is not None else None
@@ -344,9 +346,7 @@ def _trace_symbolic(
     leaves what a splice cannot carry."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    env = mode.shape_env
     before = shape_env_state(mode)
-    guards = len(env.guards)
     for op in ops:
         vals = [op.flat[i].meta["val"] for i in op.at]
         with mode:
@@ -360,7 +360,7 @@ def _trace_symbolic(
     after = shape_env_state(mode)
     if after[1:] != before[1:]:  # a size made a constant, or a runtime assertion
         return False
-    return all(_layout_only(g) for g in env.guards[guards:])
+    return all(_layout_only(g) for g in mode.shape_env.guards[before[0] :])
 
 
 def shape_env_state(mode: Any) -> tuple[int, int, int]:

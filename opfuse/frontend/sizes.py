@@ -65,6 +65,11 @@ def is_symbolic(size: Any) -> bool:
     return bool(getattr(expr, "free_symbols", None))
 
 
+def has_symbolic_sizes(t: torch.Tensor) -> bool:
+    """Is a size or stride of (fake) tensor t an expression of symbols?"""
+    return any(is_symbolic(s) for s in (*t.shape, *t.stride()))
+
+
 def value_of(symbolic: Any, binding: Binding) -> int | None:
     """An int, or a SymInt's expression evaluated with the bound symbols (None: it has
     others, or no form here)."""
