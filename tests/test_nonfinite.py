@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import opfuse
+from opfuse.runtime.execute import KernelStep
 from opfuse.runtime.finite import FiniteGuard, max_abs
 from tests.conftest import assert_matches_eager
 
@@ -269,3 +270,117 @@ def test_the_tuner_times_guarded_calls_without_measuring(
     assert measured == []
     fast(x)
     assert len(measured) == (1 if guards(fast) else 0)
+
+
+class _Bottlenecks(nn.Module):
+    """3x3 convolutions + ReLU (oneDNN, guarded) between 1x1 ones + ReLU (opfuse's GEMM),
+    as a ResNet's bottleneck alternates them; `scale` multiplies every weight."""
+
+    def __init__(self, c: int = 16, depth: int = 3, scale: float = 1.0) -> None:
+        super().__init__()
+        self.wide = nn.ModuleList(nn.Conv2d(c, c, 3, padding=1) for _ in range(depth))
+        self.narrow = nn.ModuleList(nn.Conv2d(c, c, 1) for _ in range(depth))
+        with torch.no_grad():
+            for p in self.parameters():
+                p.mul_(scale)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for wide, narrow in zip(self.wide, self.narrow):
+            x = torch.relu(narrow(torch.relu(wide(x))))
+        return x
+
+
+def _gemm_between_onednn(monkeypatch: Any) -> None:
+    """Every 1x1 convolution on opfuse's GEMM, every other on oneDNN (NHWC), untimed."""
+    from opfuse import autotune
+    from opfuse.decisions import Decision
+
+    def choose(graph: Any, group: Any, candidates: Any, *rest: Any, **kw: Any) -> Decision:
+        for name in ("opfuse-gemm", "onednn-nhwc", "onednn"):
+            if name in candidates:
+                return Decision(name, {})
+        raise AssertionError(f"no candidate to force among {sorted(candidates)}")
+
+    monkeypatch.setattr(autotune, "load_decision", lambda key: None)
+    monkeypatch.setattr(autotune, "choose", choose)
+
+
+def test_bounds_travel_through_opfuses_kernels(monkeypatch: Any) -> None:
+    # Each guarded call reads what opfuse's GEMM made; its bound comes from the GEMM's
+    # weight and its input's bound (lower/bounds.py), so only the graph input is measured.
+    _gemm_between_onednn(monkeypatch)
+    torch.manual_seed(0)
+    m = _Bottlenecks().eval()
+    x = torch.randn(1, 16, 8, 8)
+    fast = opfuse.compile(m, (x,))
+    plan = next(iter(fast._entries.values())).compiled.run.plan
+    kinds = [type(s).__name__ for s in plan.steps if getattr(s, "view", False) is False]
+    assert kinds.count("KernelStep") == 3 and len(guards(fast)) == 3
+    assert all(s.bound is not None for s in plan.steps if isinstance(s, KernelStep))
+    measured: list[tuple[int, ...]] = []
+
+    def counting(t: torch.Tensor) -> float:
+        measured.append(tuple(t.shape))
+        return max_abs(t)
+
+    monkeypatch.setattr("opfuse.runtime.finite.max_abs", counting)
+    assert_matches_eager(m, fast(x), (x,))
+    assert measured == [(1, 16, 8, 8)]  # the graph input (its NHWC copy) only
+    assert sum(g.exact_calls for g in guards(fast)) == 0
+    # NaN in the input: measured, exact path, NaN kept as eager keeps it
+    bad = x.clone()
+    bad[0, 3, 2, 2] = math.nan
+    assert_matches_eager(m, fast(bad), (bad,))
+    assert sum(g.exact_calls for g in guards(fast)) >= 1
+
+
+def test_bounds_through_kernels_see_an_overflow_coming(monkeypatch: Any) -> None:
+    # Finite inputs and weights whose sums overflow float32 two layers in (inf - inf is
+    # NaN in eager): the bounds carried through the GEMMs grow past LIMIT, so the guarded
+    # calls measure, find inf or NaN, and run exactly
+    _gemm_between_onednn(monkeypatch)
+    torch.manual_seed(0)
+    m = _Bottlenecks(scale=1e9).eval()
+    fast = opfuse.compile(m, (torch.randn(1, 16, 8, 8),))
+    x = torch.randn(1, 16, 8, 8) * 1e15
+    expected = m(x)
+    assert bool(expected.isnan().any())
+    assert_matches_eager(m, fast(x), (x,))
+
+
+def test_kernel_bounds_follow_the_op_table() -> None:
+    from opfuse.ir.scalar import Expr
+    from opfuse.lower.bounds import output_bounds
+    from opfuse.lower.kernel import Buffer, Kernel, Pass, Store
+
+    f32 = torch.float32
+
+    def load(b: str) -> Expr:
+        return Expr("load", (), f32, (b, None))
+
+    def kernel(value: Expr) -> Kernel:
+        bufs = tuple(Buffer(n, f32, "in", n, (4,), (1,)) for n in ("in0", "in1"))
+        out = Buffer("out0", f32, "out", "out0", (4,), (1,))
+        return Kernel("k", (), (*bufs, out), (), (), (Pass(stores=(Store("out0", None, value),)),))  # type: ignore[arg-type]
+
+    leaves = {"in0": "b[1]", "in1": "2.0"}.get
+    x, y = load("in0"), load("in1")
+    relu = Expr("max", (x * y + 0.5, Expr("const", (), f32, 0.0)), f32)
+    assert output_bounds(kernel(relu), leaves) == {"out0": "max(((b[1] * 2.0) + 0.5), 0.0)"}
+    assert output_bounds(kernel(Expr("exp", (x,), f32)), leaves) == {}  # no rule: unbounded
+    assert output_bounds(kernel(Expr("tanh", (x,), f32)), leaves) == {
+        "out0": "(1.0 if b[1] <= LIMIT else INF)"
+    }
+    assert output_bounds(kernel(x), {"in0": None}.get) == {}  # an input without a bound
+    from opfuse.runtime.finite import LIMIT, transfer
+
+    t = transfer({5: "(1.0 if b[1] <= LIMIT else INF)", 6: "(b[1] * 2.0)"}, [1])
+    b: list[Any] = [None] * 7
+    t(b)
+    assert b[5:] == [None, None]  # b[1] unknown: nothing set
+    b[1] = 3.0
+    t(b)
+    assert b[5:] == [1.0, 6.0]
+    b[1] = LIMIT
+    t(b)
+    assert b[5:] == [1.0, None]  # past LIMIT: no bound

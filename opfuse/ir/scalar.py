@@ -49,6 +49,10 @@ class Prim:
     triton: str = ""
     triton_int: str | None = None
     float_only: bool = False  # integer operands are cast to float first (exp, sin, ...)
+    # How a bound of |result| follows from bounds of its operands' (lower/bounds.py): "sum"
+    # (|a| + |b|), "prod", "max" (the larger), "same" (the operand's), "unit" (1, for a
+    # finite operand); "" where none is known (exp, division, ...)
+    bound: str = ""
 
 
 def _u(c: str, triton: str, **kw: Any) -> Prim:
@@ -58,9 +62,9 @@ def _u(c: str, triton: str, **kw: Any) -> Prim:
 # fmt: off
 PRIMS: dict[str, Prim] = {
     # arithmetic
-    "add": Prim(2, "same", "({0} + {1})", triton="({0} + {1})"),
-    "sub": Prim(2, "same", "({0} - {1})", triton="({0} - {1})"),
-    "mul": Prim(2, "same", "({0} * {1})", triton="({0} * {1})"),
+    "add": Prim(2, "same", "({0} + {1})", triton="({0} + {1})", bound="sum"),
+    "sub": Prim(2, "same", "({0} - {1})", triton="({0} - {1})", bound="sum"),
+    "mul": Prim(2, "same", "({0} * {1})", triton="({0} * {1})", bound="prod"),
     "div": Prim(2, "same", "({0} / {1})", "op_div_trunc_{T}({0}, {1})",
                 triton="({0} / {1})", triton_int="tl.extra.div_rn({0}, {1})"),
     "truncdiv": Prim(2, "same", "trunc{f}({0} / {1})", "op_div_trunc_{T}({0}, {1})",
@@ -74,22 +78,22 @@ PRIMS: dict[str, Prim] = {
     "pow": Prim(2, "same", "pow{f}({0}, {1})", "op_pow_{T}({0}, {1})",
                 triton="libdevice.pow({0}, {1})", triton_int="op_pow_int({0}, {1})"),
     "max": Prim(2, "same", "op_max_{T}({0}, {1})", "(({0} < {1}) ? {1} : {0})",
-                triton="op_max({0}, {1})", triton_int="tl.maximum({0}, {1})"),
+                triton="op_max({0}, {1})", triton_int="tl.maximum({0}, {1})", bound="max"),
     "min": Prim(2, "same", "op_min_{T}({0}, {1})", "(({1} < {0}) ? {1} : {0})",
-                triton="op_min({0}, {1})", triton_int="tl.minimum({0}, {1})"),
+                triton="op_min({0}, {1})", triton_int="tl.minimum({0}, {1})", bound="max"),
     "fmax": Prim(2, "same", "fmax{f}({0}, {1})", "(({0} < {1}) ? {1} : {0})",
-                 triton="libdevice.fmax({0}, {1})", triton_int="tl.maximum({0}, {1})"),
+                 triton="libdevice.fmax({0}, {1})", triton_int="tl.maximum({0}, {1})", bound="max"),
     "fmin": Prim(2, "same", "fmin{f}({0}, {1})", "(({1} < {0}) ? {1} : {0})",
-                 triton="libdevice.fmin({0}, {1})", triton_int="tl.minimum({0}, {1})"),
+                 triton="libdevice.fmin({0}, {1})", triton_int="tl.minimum({0}, {1})", bound="max"),
     "atan2": Prim(2, "same", "atan2{f}({0}, {1})", triton="libdevice.atan2({0}, {1})",
                   float_only=True),
     "copysign": Prim(2, "same", "copysign{f}({0}, {1})", triton="libdevice.copysign({0}, {1})",
                      float_only=True),
     "hypot": Prim(2, "same", "hypot{f}({0}, {1})", triton="libdevice.hypot({0}, {1})",
                   float_only=True),
-    "neg": Prim(1, "same", "(-{0})", "op_neg_{T}({0})", triton="(-{0})"),
+    "neg": Prim(1, "same", "(-{0})", "op_neg_{T}({0})", triton="(-{0})", bound="same"),
     "abs": Prim(1, "same", "fabs{f}({0})", "(({0} < 0) ? op_neg_{T}({0}) : {0})",
-                triton="tl.abs({0})"),
+                triton="tl.abs({0})", bound="same"),
     "sign": Prim(1, "same", "(({T})(({0} > 0) - ({0} < 0)))", "(({T})(({0} > 0) - ({0} < 0)))",
                  triton="(({0} > 0).to({0}.dtype) - ({0} < 0).to({0}.dtype))"),
     "exp": _u("op_exp_{T}({0})", "libdevice.exp({0})"),
@@ -102,20 +106,20 @@ PRIMS: dict[str, Prim] = {
     "sqrt": _u("sqrt{f}({0})", "libdevice.sqrt({0})"),
     "rsqrt": _u("(1 / sqrt{f}({0}))", "(1.0 / libdevice.sqrt({0}))"),
     "reciprocal": _u("(1 / {0})", "(1.0 / {0})"),
-    "sin": _u("sin{f}({0})", "libdevice.sin({0})"),
-    "cos": _u("cos{f}({0})", "libdevice.cos({0})"),
+    "sin": _u("sin{f}({0})", "libdevice.sin({0})", bound="unit"),
+    "cos": _u("cos{f}({0})", "libdevice.cos({0})", bound="unit"),
     "tan": _u("tan{f}({0})", "libdevice.tan({0})"),
     "asin": _u("asin{f}({0})", "libdevice.asin({0})"),
     "acos": _u("acos{f}({0})", "libdevice.acos({0})"),
     "atan": _u("atan{f}({0})", "libdevice.atan({0})"),
     "sinh": _u("sinh{f}({0})", "libdevice.sinh({0})"),
     "cosh": _u("cosh{f}({0})", "libdevice.cosh({0})"),
-    "tanh": _u("tanh{f}({0})", "libdevice.tanh({0})"),
+    "tanh": _u("tanh{f}({0})", "libdevice.tanh({0})", bound="unit"),
     "asinh": _u("asinh{f}({0})", "libdevice.asinh({0})"),
     "acosh": _u("acosh{f}({0})", "libdevice.acosh({0})"),
     "atanh": _u("atanh{f}({0})", "libdevice.atanh({0})"),
-    "sigmoid": _u("(1 / (1 + op_exp_{T}(-{0})))", "(1.0 / (1.0 + libdevice.exp(-{0})))"),
-    "erf": _u("erf{f}({0})", "libdevice.erf({0})"),
+    "sigmoid": _u("(1 / (1 + op_exp_{T}(-{0})))", "(1.0 / (1.0 + libdevice.exp(-{0})))", bound="unit"),
+    "erf": _u("erf{f}({0})", "libdevice.erf({0})", bound="unit"),
     "erfc": _u("erfc{f}({0})", "libdevice.erfc({0})"),
     "lgamma": _u("lgamma{f}({0})", "libdevice.lgamma({0})"),
     "floor": Prim(1, "same", "floor{f}({0})", "{0}", triton="libdevice.floor({0})",
@@ -149,7 +153,7 @@ PRIMS: dict[str, Prim] = {
     "mix64": Prim(2, "same", "op_mix64({0}, {1})", "op_mix64({0}, {1})",
                   triton="op_mix64({0}, {1})"),
     # selection and conversion
-    "where": Prim(3, "where", "({0} ? {1} : {2})", triton="tl.where({0}, {1}, {2})"),
+    "where": Prim(3, "where", "({0} ? {1} : {2})", triton="tl.where({0}, {1}, {2})", bound="max"),
     "cast": Prim(1, "cast", "op_cast", triton="op_cast"),  # renderers own conversions
 }
 # fmt: on

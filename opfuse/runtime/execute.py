@@ -133,6 +133,9 @@ class KernelStep:
     inplace: list[tuple[int, int]] = field(default_factory=list)  # (out arg, in arg) may share
     # fn takes the tensors themselves (a Triton launcher), not their addresses
     tensors: bool = False
+    # Sets the bounds of its outputs from its inputs' (finite.transfer), in a plan with
+    # guarded library calls; None: its outputs have none.
+    bound: Callable[[list[Any]], None] | None = None
 
     @property
     def inputs(self) -> list[In]:
@@ -333,8 +336,9 @@ class Runtime:
         guarded = f.guarded and self.guards
         bounds: list[float | None] | None = [None] * plan.n_slots if guarded else None
         for si, step in enumerate(plan.steps):
-            if skip[si]:
-                pass
+            if skip[si]:  # a view made once, at the first call: its base's elements
+                if bounds is not None and type(step.args[0]) is Slot:
+                    bounds[step.output] = bounds[step.args[0].index]
             elif type(step) is KernelStep:
                 arr = f.arrays[si]
                 tensors = step.tensors
@@ -357,6 +361,8 @@ class Runtime:
                 if step.fn(arr, nthreads):
                     # torch raises this very error for integer division by zero
                     raise RuntimeError("ZeroDivisionError")
+                if bounds is not None and step.bound is not None:
+                    step.bound(bounds)
             else:
                 assert isinstance(step, TorchStep)
                 args = f.bind[si](env)

@@ -13,14 +13,16 @@ weight). Otherwise it runs as the call without the post-op, then the post-op wit
 
 Bounds travel with the values through one call of the plan: a guarded call's result is
 bounded by its post-op applied to that bound, so a chain of convolutions (ResNet) measures
-its input once and then only multiplies numbers. A value whose bound is unknown, or has
-grown past LIMIT through a chain, is measured: one pass over it (a BLAS dot, ~100 GB/s).
+its input once and then only multiplies numbers. opfuse's own kernels between them carry bounds
+too, by interval arithmetic over what they compute (lower/bounds.py, `transfer`). A value
+whose bound is unknown, or has grown past LIMIT through a chain, is measured: one pass
+over it (a BLAS dot, ~100 GB/s).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,6 +70,23 @@ class FiniteGuard:
         if post is None or not pre <= LIMIT:
             return True, None
         return True, max(min(pre, post[0]), post[1])
+
+
+def transfer(outputs: Mapping[int, str], reads: Iterable[int]) -> Callable[[list[Any]], None]:
+    """The bounds through one of opfuse's kernels (lower/bounds.py): a function setting
+    bounds[slot] for each of `outputs` (slot -> Python source over `b[i]`, the bounds of
+    the slots `reads`), and nothing where one of those has no bound this call. A result
+    past LIMIT, or NaN, is no bound. One compiled function per step: the runtime calls it
+    after the kernel, on every call of a plan with guards."""
+    reads = sorted(set(reads))
+    check = " or ".join(f"b[{i}] is None" for i in reads) or "False"
+    lines = ["def transfer(b):", f"    if {check}:", "        return"]
+    for slot, text in outputs.items():
+        lines += [f"    r = {text}", f"    b[{slot}] = r if r <= LIMIT else None"]
+    scope: dict[str, Any] = {"LIMIT": LIMIT, "INF": math.inf, "max": max}
+    exec(compile("\n".join(lines), "<bounds>", "exec"), scope)  # our own source, above
+    fn: Callable[[list[Any]], None] = scope["transfer"]
+    return fn
 
 
 def gain(weight: torch.Tensor) -> float:

@@ -3,7 +3,9 @@ memory pool for intermediates and scratch (see runtime.py for how it runs)."""
 
 from __future__ import annotations
 
+import math
 import operator
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -13,6 +15,7 @@ import torch
 from ..fusion.groups import Partition
 from ..ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta, map_args
 from ..ir.ops import info
+from ..lower.bounds import output_bounds
 from ..lower.depthwise import DepthwiseKernel
 from ..lower.dw_gemm import DwGemmKernel
 from ..lower.epilogue import GemmKernel
@@ -29,7 +32,7 @@ from .execute import (
     Slot,
     TorchStep,
 )
-from .finite import FiniteGuard
+from .finite import FiniteGuard, largest, transfer
 
 
 @dataclass
@@ -249,6 +252,8 @@ def copied(graph: Graph, plan: Plan) -> list[Node]:
 def build_plan(graph: Graph, part: Partition, built: Mapping[int, Built]) -> Plan:
     """`built` maps group id -> how it runs; groups without an entry run with torch."""
     p = _Planner(graph)
+    # each kernel step, with its kernel and (a GEMM's) the built GEMM and its A's slot
+    kernels: list[tuple[KernelStep, Kernel, BuiltGemm | None, int]] = []
     for g in part.groups:
         b = built.get(g.id)
         if isinstance(b, Absorbed):
@@ -282,6 +287,9 @@ def build_plan(graph: Graph, part: Partition, built: Mapping[int, Built]) -> Pla
             args += [Const(int(v)) for v in b.sizes]
             p.kernel_step(k.name, b.fn, args, reads + epi_reads)
             p.produced(args)
+            step = p.steps[-1]
+            if isinstance(k, GemmKernel) and isinstance(step, KernelStep):
+                kernels.append((step, k.epilogue, b, p.slot[a_node]))
         else:
             if b.anchor_call is not None:
                 p.call_step(b.anchor_call)
@@ -295,9 +303,12 @@ def build_plan(graph: Graph, part: Partition, built: Mapping[int, Built]) -> Pla
             assert isinstance(step, KernelStep)
             step.inplace = [(pos[o], pos[i]) for o, i in b.kernel.inplace]
             p.produced(args)
+            kernels.append((step, b.kernel, None, -1))
     for out in graph.outputs:
         if isinstance(out, Node):
             p.need(out)
+    if any(isinstance(s, TorchStep) and s.guard is not None for s in p.steps):
+        _carry_bounds(graph, p, kernels)
     sizes, frees = _plan_memory(graph, p)
     return Plan(
         n_slots=len(graph.nodes),
@@ -315,6 +326,59 @@ def build_plan(graph: Graph, part: Partition, built: Mapping[int, Built]) -> Pla
         frees=frees,
         device=_pool_device(p.steps),
     )
+
+
+def _carry_bounds(
+    graph: Graph, p: _Planner, kernels: list[tuple[KernelStep, Kernel, BuiltGemm | None, int]]
+) -> None:
+    """Give each kernel step whose outputs can be bounded from its inputs' the function
+    that does it at run time (lower/bounds.py), so that the guarded library calls after
+    it need not measure what it made (runtime/finite.py). A GEMM's result is bounded by
+    its frozen weight's gain times its input's bound."""
+    by_name = p.by_name
+    constants: dict[str, str | None] = {}
+
+    def constant(name: str) -> str | None:
+        if name not in constants:
+            m = largest(graph.constants[name])
+            constants[name] = repr(m) if math.isfinite(m) else None
+        return constants[name]
+
+    for step, kernel, gemm, a_slot in kernels:
+        # the bound of each input buffer, as source over the slots' bounds `b`
+        leaves: dict[str, str | None] = {}
+        for buf in kernel.inputs:
+            node = by_name[buf.value]
+            if gemm is not None and buf.name == gemm.kernel.gemm_buffer:
+                g = _gemm_gain(gemm)
+                leaves[buf.name] = None if g is None else f"({g!r} * b[{a_slot}])"
+            elif node.op == CONSTANT:
+                leaves[buf.name] = constant(node.name)
+            else:
+                leaves[buf.name] = f"b[{p.slot[node]}]"
+        found = output_bounds(kernel, leaves.get)
+        if not found:
+            continue
+        values = {buf.name: buf.value for buf in kernel.outputs}
+        outs = {p.slot[by_name[values[name]]]: text for name, text in found.items()}
+        reads = [int(i) for text in found.values() for i in _SLOT_REF.findall(text)]
+        step.bound = transfer(outs, reads)
+
+
+_SLOT_REF = re.compile(r"b\[(\d+)\]")
+
+
+def _gemm_gain(b: BuiltGemm) -> float | None:
+    """The largest sum of |B| over one column of a GEMM's frozen weight (what the packed
+    copy was made from), None where there is no such weight or it is not finite."""
+    k = b.kernel
+    if not isinstance(k, GemmKernel) or k.spec.kind == "bmm" or k.spec.batch != 1:
+        return None
+    source = getattr(b.b, "_opfuse_source", None)
+    if not isinstance(source, torch.Tensor) or tuple(source.shape) != (k.spec.k, k.spec.n):
+        return None
+    g = float(source.detach().abs().sum(0).max()) if source.numel() else 0.0
+    return g if math.isfinite(g) else None
 
 
 def _pool_device(steps: list[Any]) -> str:
