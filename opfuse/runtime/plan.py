@@ -377,7 +377,11 @@ def _gemm_gain(b: BuiltGemm) -> float | None:
     source = getattr(b.b, "_opfuse_source", None)
     if not isinstance(source, torch.Tensor) or tuple(source.shape) != (k.spec.k, k.spec.n):
         return None
-    g = float(source.detach().abs().sum(0).max()) if source.numel() else 0.0
+    # kept with the packed copy, which the compiles of a graph at other sizes share
+    g = getattr(b.b, "_opfuse_gain", None)
+    if g is None:
+        g = float(source.detach().abs().sum(0).max()) if source.numel() else 0.0
+        b.b._opfuse_gain = g
     return g if math.isfinite(g) else None
 
 
