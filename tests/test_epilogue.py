@@ -711,3 +711,57 @@ def test_k_blocked_onednn_gemm_is_as_close_to_float64_as_eager(
         lin.weight.copy_(torch.randn(n, k, generator=g) / k**0.5)
     x = torch.randn(m, k, generator=g)
     run(lin, (x,), "onednn-kblocks")
+
+
+def _kernel_steps(fast: Any) -> list[Any]:
+    from opfuse.runtime.execute import KernelStep
+
+    return [s for s in fast._first.compiled.run.plan.steps if isinstance(s, KernelStep)]
+
+
+def test_gemm_epilogue_writes_over_a_dead_residual() -> None:
+    # ResNet's block tail on opfuse's GEMM: relu(conv1x1(h) + x), x dead after it. The
+    # result takes x's pooled block (no fresh output, whose every line is read before it
+    # is written); x's other reader, the block's first convolution, ran before.
+    from opfuse.bench.models import Bottleneck
+    from opfuse.runtime.execute import In, Out
+
+    torch.manual_seed(0)
+    m = nn.Sequential(
+        nn.Conv2d(3, 32, 3, padding=1),
+        Bottleneck(32, 8, stride=1),
+        nn.Conv2d(32, 4, 3, padding=1),  # the next layer: the tail's result stays inside
+    ).eval()
+    x = torch.randn(2, 3, 8, 8)
+    fast = opfuse.compile(m, (x,), options=opfuse.Options(implementation="opfuse-gemm"))
+    (tail,) = [s for s in _kernel_steps(fast) if s.name.startswith("fused_addmm_add_relu")]
+    ((o, i),) = tail.inplace
+    out, res = tail.args[o], tail.args[i]
+    assert isinstance(out, Out) and isinstance(res, In)
+    assert out.block is not None or out.steal == i  # the residual's memory
+    for _ in range(3):  # each call writes over that call's residual, never a stale one
+        assert_matches_eager(m, fast(x), (x,))
+
+
+@pytest.mark.parametrize("rows", [16, 512])
+def test_gemm_epilogue_never_writes_over_its_own_input(rows: int) -> None:
+    # relu(x @ W + x): the epilogue reads x at the very elements it writes, but the GEMM
+    # tiles of other threads read whole rows of x (16 rows: two column tiles of the same
+    # rows), so the output must not take x's memory
+    class Res(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(256, 256)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = x * 2.0  # a kernel's result, pooled: its block could be taken
+            return torch.relu(self.fc(h) + h)
+
+    torch.manual_seed(0)
+    m = Res().eval()
+    x = torch.randn(rows, 256)
+    fast = opfuse.compile(m, (x,), options=opfuse.Options(implementation="opfuse-gemm"))
+    gemm = [s for s in _kernel_steps(fast) if s.name.startswith("fused_addmm")]
+    assert len(gemm) == 1 and gemm[0].inplace == []
+    for _ in range(3):
+        assert_matches_eager(m, fast(x), (x,))

@@ -29,6 +29,7 @@ from ..ir.scalar import walk
 from ..ir.uses import used_outside
 from .kernel import Kernel, map_indices
 from .lowering import NotFusable, _Lowering, lower_group, lower_on_domain
+from .schedule import inplace_pairs
 
 GEMMS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
 CONV = "aten.convolution.default"
@@ -308,7 +309,28 @@ def lower_blocked(
     )
     if k.in_place:
         return k
-    return replace(k, epilogue=_read_tile_slot(kernel, gemm_buf, tn))
+    epilogue = _read_tile_slot(kernel, gemm_buf, tn)
+    read = {b.name: n for n, b in low.in_buffers.items()}
+    over = _over_inputs(spec, epilogue, gemm_buf, read)
+    return replace(k, epilogue=replace(epilogue, inplace=over))
+
+
+def _over_inputs(
+    spec: GemmSpec, kernel: Kernel, gemm_buf: str, read: dict[str, Node]
+) -> tuple[tuple[str, str], ...]:
+    """The epilogue's outputs that may be written over one of its inputs (the plan then
+    gives them the input's memory where it is dead after: ResNet's residual, whose block
+    the tail of each bottleneck overwrites, as oneDNN's sum post-op does; a fresh output
+    costs a read of every line it writes, 1.3x the step's time at b8 in stage 1). Each
+    tile's epilogue reads such an input only at the elements it writes; the GEMM's own
+    operands never (other threads' tiles read all of A's columns and B). `kernel` reads
+    the GEMM's results from the tile slot, so they are never a candidate."""
+    operands = {_view_root(spec.a.node), _view_root(spec.b.node)}
+    return tuple(
+        (out, inp)
+        for out, inp in inplace_pairs(kernel)
+        if inp != gemm_buf and inp in read and _view_root(read[inp]) not in operands
+    )
 
 
 def own_gemm(k: GemmKernel) -> GemmKernel:

@@ -92,7 +92,7 @@ def finalize(k: Kernel) -> Kernel:
 
     k2 = replace(map_indices(k, fix), outer=tuple(new_outer), inner=tuple(new_inner))
     k2 = replace(k2, schedule=_choose(k2))
-    k2 = replace(k2, inplace=_inplace_pairs(k2))
+    k2 = replace(k2, inplace=inplace_pairs(k2))
     k2 = unswitch(k2)
     if k2.cases:  # the cases run, the whole kernel is only their description
         return replace(k2, cases=tuple(_finish(c) for c in k2.cases))
@@ -104,7 +104,7 @@ def _finish(k: Kernel) -> Kernel:
     return with_pieces(_variance_algorithm(k))
 
 
-def _inplace_pairs(k: Kernel) -> tuple[tuple[str, str], ...]:
+def inplace_pairs(k: Kernel) -> tuple[tuple[str, str], ...]:
     """Outputs that may overwrite an input: same dtype and layout; every load of the input
     at the very index the output is stored at; no load of it in a pass after the store."""
     loads: dict[str, set[Ix]] = {}

@@ -290,6 +290,9 @@ def build_plan(graph: Graph, part: Partition, built: Mapping[int, Built]) -> Pla
             step = p.steps[-1]
             if isinstance(k, GemmKernel) and isinstance(step, KernelStep):
                 kernels.append((step, k.epilogue, b, p.slot[a_node]))
+                # the epilogue's buffers are the arguments after A and B
+                pos = {buf.name: i + 2 for i, buf in enumerate(k.epilogue.buffers)}
+                step.inplace = [(pos[o], pos[i]) for o, i in k.epilogue.inplace]
         else:
             if b.anchor_call is not None:
                 p.call_step(b.anchor_call)

@@ -465,6 +465,7 @@ def tile_buffers(
     # rows n floats apart fell into the same L1 sets and a page each, and the kernel's
     # speed varied 2x with where the scratch lay (ViT-B's MLP: 50-120 ms).
     lines = []
+    shared = {name for pair in epi.inplace for name in pair}  # may alias: no restrict
     for i, b in enumerate(epi.buffers):
         t = STORAGE[b.dtype]
         if b.name == result and in_place:
@@ -475,7 +476,7 @@ def tile_buffers(
             continue
         writable = b.role == "out" or b.name == result
         const = "" if writable else "const "
-        restrict = "" if in_place and b.role == "out" else "restrict "
+        restrict = "" if (in_place and b.role == "out") or b.name in shared else "restrict "
         name = f"{b.name}_slots" if not in_place and b.name == result else b.name
         lines.append(f"  {const}{t} *{restrict}{name} = ({const}{t} *)args[{i + first}];")
     return lines
