@@ -15,7 +15,6 @@ import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -38,6 +37,7 @@ from .ir.uses import used_outside
 from .runtime.execute import Runtime
 from .runtime.heap import release_freed_memory
 from .runtime.plan import Absorbed, Built, BuiltCall, build_plan
+from .tools.caches import last_level_bytes
 from .tools.progress import Progress
 
 log = logging.getLogger("opfuse.autotune")
@@ -85,21 +85,9 @@ def _stays_cached(nbytes: int) -> bool:
     return nbytes <= _cache_bytes() // 2
 
 
-@functools.lru_cache(maxsize=1)
 def _cache_bytes() -> int:
-    """The last-level cache's size, from sysfs (32 MiB where the system does not say)."""
-    best = (0, 0)  # (level, bytes)
-    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
-        try:
-            level = int((d / "level").read_text())
-            text = (d / "size").read_text().strip()
-        except (OSError, ValueError):
-            continue
-        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        digits = text.rstrip("KMG")
-        if digits.isdigit():
-            best = max(best, (level, int(digits) * unit))
-    return best[1] or 32 << 20
+    """The last-level cache's size (tools/caches.py)."""
+    return last_level_bytes()
 
 
 def pick(seconds: Mapping[str, float], flattered: frozenset[str] = MATERIALISING) -> str:

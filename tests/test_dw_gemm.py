@@ -342,7 +342,7 @@ def test_band_height_is_the_search_it_closes(
     """The band's closed form (one expression for every size) is the tallest band the
     search from a band per thread down finds."""
     from opfuse.lower.depthwise import Geometry
-    from opfuse.lower.dw_gemm import BAND_FLOATS, band_height
+    from opfuse.lower.dw_gemm import band_floats, band_height
 
     span = (k - 1) * dilation + 1
     oh = (h + 2 * (k // 2) - span) // stride + 1
@@ -355,6 +355,6 @@ def test_band_height_is_the_search_it_closes(
         reach = min(g.h, (b - 1) * g.sh + (g.kh - 1) * g.dh + 1)
         return reach * g.w * g.c + b * g.ow * (2 * g.c + out)
 
-    while band > 1 and floats(band) > BAND_FLOATS:
+    while band > 1 and floats(band) > band_floats():
         band -= 1
     assert band_height(g, out, threads) == band

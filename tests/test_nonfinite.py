@@ -74,6 +74,18 @@ class Layer(nn.Module):
         return ACTIVATIONS[self.act](y + residual[0] if residual else y)
 
 
+def measuring(monkeypatch: Any) -> list[tuple[int, ...]]:
+    """The shapes of the values the guards measure from now on, in order."""
+    measured: list[tuple[int, ...]] = []
+
+    def counting(t: torch.Tensor) -> float:
+        measured.append(tuple(t.shape))
+        return max_abs(t)
+
+    monkeypatch.setattr("opfuse.runtime.finite.max_abs", counting)
+    return measured
+
+
 def guards(fast: Any) -> list[FiniteGuard]:
     plans = [e.compiled.run.plan for e in fast._entries.values() if e.compiled is not None]
     return [s.guard for p in plans for s in p.steps if getattr(s, "guard", None) is not None]
@@ -181,13 +193,7 @@ def test_a_chain_of_guarded_convolutions_measures_its_input_once(monkeypatch: An
     gs = guards(fast)
     # (the last conv's epilogue also copies into the output: no post-op, no guard)
     assert len(gs) == 11 and all(g.exact is not None for g in gs)
-    measured: list[tuple[int, ...]] = []
-
-    def counting(t: torch.Tensor) -> float:
-        measured.append(tuple(t.shape))
-        return max_abs(t)
-
-    monkeypatch.setattr("opfuse.runtime.finite.max_abs", counting)
+    measured = measuring(monkeypatch)
     assert_matches_eager(m, fast(x), (x,))
     assert measured == [(1, 8, 8, 8)]  # the graph input; then bounds travel with the values
     assert sum(g.exact_calls for g in gs) == 0
@@ -254,13 +260,7 @@ def test_the_tuner_times_guarded_calls_without_measuring(
 ) -> None:
     # in a model a guarded call mostly runs on bounds carried from the call before it: the
     # tuner times the fused call alone, not a measurement the model would not make
-    measured: list[int] = []
-
-    def counting(t: torch.Tensor) -> float:
-        measured.append(1)
-        return max_abs(t)
-
-    monkeypatch.setattr("opfuse.runtime.finite.max_abs", counting)
+    measured = measuring(monkeypatch)
     torch.manual_seed(0)
     m = nn.Sequential(nn.Conv2d(8, 16, 3, padding=1), nn.ReLU()).eval()
     x = torch.randn(1, 8, 16, 16)
@@ -317,13 +317,7 @@ def test_bounds_travel_through_opfuses_kernels(monkeypatch: Any) -> None:
     kinds = [type(s).__name__ for s in plan.steps if getattr(s, "view", False) is False]
     assert kinds.count("KernelStep") == 3 and len(guards(fast)) == 3
     assert all(s.bound is not None for s in plan.steps if isinstance(s, KernelStep))
-    measured: list[tuple[int, ...]] = []
-
-    def counting(t: torch.Tensor) -> float:
-        measured.append(tuple(t.shape))
-        return max_abs(t)
-
-    monkeypatch.setattr("opfuse.runtime.finite.max_abs", counting)
+    measured = measuring(monkeypatch)
     assert_matches_eager(m, fast(x), (x,))
     assert measured == [(1, 16, 8, 8)]  # the graph input (its NHWC copy) only
     assert sum(g.exact_calls for g in guards(fast)) == 0
