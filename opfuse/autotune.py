@@ -82,12 +82,7 @@ def penalised(anchor_op: str | None, intermediate_bytes: int) -> frozenset[str]:
 def _stays_cached(nbytes: int) -> bool:
     """Does a value passed between kernels stay in cache when they are timed alone (and
     so flatter the kernels that write and read it back)?"""
-    return nbytes <= _cache_bytes() // 2
-
-
-def _cache_bytes() -> int:
-    """The last-level cache's size (tools/caches.py)."""
-    return last_level_bytes()
+    return nbytes <= last_level_bytes() // 2
 
 
 def pick(seconds: Mapping[str, float], flattered: frozenset[str] = MATERIALISING) -> str:

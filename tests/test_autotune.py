@@ -207,7 +207,7 @@ def test_an_intermediate_larger_than_the_cache_gets_no_margin(
 ) -> None:
     # Timed alone, an intermediate that does not fit in cache makes its round trip to
     # memory anyway: the fastest candidate wins.
-    monkeypatch.setattr(autotune, "_cache_bytes", lambda: 32 << 20)
+    monkeypatch.setattr(autotune, "last_level_bytes", lambda: 32 << 20)
     seconds = {"unfused": 0.0100, "blocked": 0.0105}
     small = autotune.penalised("aten.addmm.default", 4 << 20)
     assert autotune.pick(seconds, small) == "blocked"

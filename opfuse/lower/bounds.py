@@ -22,6 +22,7 @@ made inside a kernel (inf - inf) is never bounded by 1.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -80,7 +81,7 @@ def _rule(e: Expr, leaf: Callable[[str], Leaf | None], memo: dict[Expr, str | No
         return None
     if e.op == "const":
         v = abs(float(e.value))
-        return repr(v) if v < _INF else None
+        return repr(v) if math.isfinite(v) else None
     if e.op == "load":
         return leaf(e.value[0])
     if e.op == "cast":
@@ -106,6 +107,3 @@ def _rule(e: Expr, leaf: Callable[[str], Leaf | None], memo: dict[Expr, str | No
         # 1 only for an operand known finite: past LIMIT it may be inf or NaN already
         return f"(1.0 if {a[0]} <= LIMIT else INF)"
     raise ValueError(f"unknown bound rule {prim.bound!r} of {e.op}")
-
-
-_INF = float("inf")

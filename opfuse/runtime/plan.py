@@ -32,7 +32,7 @@ from .execute import (
     Slot,
     TorchStep,
 )
-from .finite import FiniteGuard, largest, transfer
+from .finite import FiniteGuard, gain, largest, transfer
 
 
 @dataclass
@@ -383,8 +383,7 @@ def _gemm_gain(b: BuiltGemm) -> float | None:
     # kept with the packed copy, which the compiles of a graph at other sizes share
     g = getattr(b.b, "_opfuse_gain", None)
     if g is None:
-        g = float(source.detach().abs().sum(0).max()) if source.numel() else 0.0
-        b.b._opfuse_gain = g
+        g = b.b._opfuse_gain = gain(source.t())  # B's columns are the outputs
     return g if math.isfinite(g) else None
 
 
