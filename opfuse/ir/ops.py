@@ -753,8 +753,9 @@ OPS: dict[str, OpInfo] = {
     "aten.bmm.default": ANCHOR,
     "aten.baddbmm.default": ANCHOR,
     "aten.convolution.default": ANCHOR,
-    # a depthwise convolution's NHWC output as rows (rewrite/conv_rows.py)
+    # a depthwise (or few-channel) convolution's NHWC output as rows (rewrite/conv_rows.py)
     "opfuse.depthwise_rows.default": ANCHOR,
+    "opfuse.conv_rows.default": ANCHOR,
 }
 # fmt: on
 

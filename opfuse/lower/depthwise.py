@@ -2,7 +2,9 @@
 thread computes a tile of output pixels x all channels with opfuse's depthwise kernel
 (backends/c/depthwise.py) into its slot of the scratch, then runs the epilogue over the
 tile while it is in cache -- the GEMM epilogue's scheme (epilogue.lower_blocked), with
-the convolution in place of the GEMM."""
+the convolution in place of the GEMM. A convolution over a few input channels
+(`conv_rows`) takes the same tiles with opfuse's direct kernel
+(backends/c/small_conv.py), reading its input in any layout."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 
 from ..ir.graph import Graph, Node
 from ..ir.index import Ix
+from ..rewrite.conv_rows import DENSE
 from .epilogue import (
     _check_tile_local,
     _name,
@@ -64,9 +67,19 @@ class DepthwiseKernel:
     gemm_buffer: str  # the epilogue's buffer that holds the convolution's result
     tile_m: int
     threads: int
+    # a one-group convolution (`conv_rows`): its output channels, and the input's strides
+    # (N, C, H, W), any layout; 0 and () for a depthwise one (dense NHWC input)
+    oc: int = 0
+    x_strides: tuple[int, ...] = ()
     notes: dict[str, str] = field(default_factory=dict, compare=False)
 
-    implementation = "opfuse-dw"
+    @property
+    def dense(self) -> bool:
+        return self.oc > 0
+
+    @property
+    def implementation(self) -> str:
+        return "opfuse-conv" if self.dense else "opfuse-dw"
 
     @property
     def in_place(self) -> bool:
@@ -75,7 +88,7 @@ class DepthwiseKernel:
 
     @property
     def tile_n(self) -> int:
-        return self.geometry.c
+        return self.oc if self.dense else self.geometry.c
 
     @property
     def rows(self) -> int:
@@ -98,7 +111,8 @@ def lower_depthwise(
     assert isinstance(x, Node) and isinstance(w, Node)
     xm = x.tensor
     n, c, h, wd = xm.shape
-    kh, kw = w.tensor.shape[2:]
+    oc, kh, kw = w.tensor.shape[0], *w.tensor.shape[2:]
+    dense = anchor.op == DENSE
     rows = anchor.tensor.shape[0]
     top, left = padding[:2]
     bottom, right = padding[2:] if len(padding) == 4 else padding  # (zero padding folded in)
@@ -107,9 +121,9 @@ def lower_depthwise(
     # the kernel reads the top and left padding; the bottom and right ones are in OH, OW
     geo = Geometry(n, h, wd, c, oh, ow, kh, kw, stride[0], stride[1], top, left, *dilation)
     if kh * kw > MAX_TAPS:
-        raise NotFusable(f"a {kh}x{kw} window (the depthwise kernel holds {MAX_TAPS} taps)")
+        raise NotFusable(f"a {kh}x{kw} window (opfuse's direct kernels take {MAX_TAPS} taps)")
     nhwc = (h * wd * c, 1, wd * c, c)
-    if any(s != t for s, t, d in zip(xm.stride, nhwc, xm.shape) if d > 1):
+    if not dense and any(s != t for s, t, d in zip(xm.stride, nhwc, xm.shape) if d > 1):
         raise NotFusable("the depthwise kernel reads a dense NHWC input")
     if const_root(w) is not w or (isinstance(bias, Node) and const_root(bias) is None):
         raise NotFusable("the depthwise kernel packs frozen filters")
@@ -120,10 +134,11 @@ def lower_depthwise(
     def value(low: _Lowering, idx: tuple[Ix, ...]) -> Any:
         return low._load(anchor, idx)
 
-    kernel, low = lower_on_domain(graph, epi or [anchor], (rows, c), {anchor: value})
+    cols = oc if dense else c
+    kernel, low = lower_on_domain(graph, epi or [anchor], (rows, cols), {anchor: value})
     buf = low.in_buffers[anchor].name
     _check_tile_local(kernel, buf)
-    tm = even_tiles(rows, max(1, TILE_FLOATS // c), threads)
+    tm = even_tiles(rows, max(1, TILE_FLOATS // cols), threads)
     k = DepthwiseKernel(
         name=_name(anchor, epi),
         ops=(anchor.op, *(m.op for m in epi)),
@@ -135,5 +150,7 @@ def lower_depthwise(
         gemm_buffer=buf,
         tile_m=tm,
         threads=threads,
+        oc=oc if dense else 0,
+        x_strides=tuple(xm.stride) if dense else (),
     )
-    return k if k.in_place else replace(k, epilogue=_read_tile_slot(kernel, buf, c))
+    return k if k.in_place else replace(k, epilogue=_read_tile_slot(kernel, buf, cols))

@@ -18,7 +18,7 @@ import torch
 
 from ..fusion.groups import Group, Partition, Pattern
 from ..ir.graph import Graph, Node, bind
-from ..rewrite.conv_rows import DEPTHWISE, convolution_of
+from ..rewrite.conv_rows import DEPTHWISE, ROW_CONVS, convolution_of
 from ..rewrite.layout import is_channels_last as channels_last
 from .depthwise import DepthwiseKernel, lower_depthwise
 from .dw_gemm import DwGemmKernel, pair_depthwise_gemms
@@ -68,6 +68,7 @@ IMPLEMENTATIONS = (
     "blocked",
     "opfuse-gemm",
     "opfuse-dw",
+    "opfuse-conv",
     "opfuse-dw-gemm",
     "opfuse-expand-dw-gemm",
     "onednn",
@@ -127,7 +128,7 @@ def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candida
             return {"kernel": lower_group(graph, g.nodes)}, notes
         except NotFusable as e:  # the partitioner checked this; keep going regardless
             return {}, [f"could not be lowered: {e}"]
-    if g.anchor is not None and g.anchor.op == DEPTHWISE:
+    if g.anchor is not None and g.anchor.op in ROW_CONVS:
         return _depthwise(graph, g, threads)
     if g.pattern.epilogue:
         assert g.anchor is not None
@@ -199,8 +200,9 @@ def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candida
 
 
 def _depthwise(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candidate], list[str]]:
-    """A depthwise convolution's rows (rewrite/conv_rows.py): torch's call (then the
-    epilogue kernel), oneDNN's convolution with its post-ops, opfuse's depthwise kernel."""
+    """A depthwise (or few-channel) convolution's rows (rewrite/conv_rows.py): torch's call
+    (then the epilogue kernel), oneDNN's convolution with its post-ops, opfuse's direct
+    kernel ("opfuse-dw", "opfuse-conv")."""
     a = g.anchor
     assert a is not None
     notes: list[str] = []
@@ -219,9 +221,10 @@ def _depthwise(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candidat
         else:
             notes.append("oneDNN: the epilogue is not a post-op it fuses")
     try:
-        cands["opfuse-dw"] = lower_depthwise(graph, a, g.nodes, threads)
+        k = lower_depthwise(graph, a, g.nodes, threads)
+        cands[k.implementation] = k
     except NotFusable as e:
-        notes.append(f"opfuse-dw: {e}")
+        notes.append(f"{'opfuse-dw' if a.op == DEPTHWISE else 'opfuse-conv'}: {e}")
     return cands, notes
 
 

@@ -180,8 +180,11 @@ def notes(r: FusionReport) -> list[tuple[str, str]]:
     out += [("pool", p) for p in r.pools]
     if r.conv_rows:
         pw = sum("1x1" in t for t in r.conv_rows)
+        dw = sum("depthwise" in t for t in r.conv_rows)
+        few = len(r.conv_rows) - pw - dw  # over a few input channels (rewrite/conv_rows.py)
         kinds = [f"{pw} 1x1 as matmuls"] if pw else []
-        kinds += [f"{len(r.conv_rows) - pw} depthwise"] if len(r.conv_rows) > pw else []
+        kinds += [f"{dw} depthwise"] if dw else []
+        kinds += [f"{few} over a few input channels"] if few else []
         out.append(
             (
                 "conv rows",

@@ -1,11 +1,14 @@
 """Convolutions as producers of rows: over a channels-last input, a 1x1 convolution (stride
 1, no padding, one group) is a matmul of the input's [N*H*W, C] rows with the weight's
-[C, OC], and a depthwise one (one group per channel) a row producer of its own. Either way
-the channels-last output is the [N*OH*OW, OC] result seen through a view and a permute:
+[C, OC], and a depthwise one (one group per channel) a row producer of its own; so is a
+convolution over a few input channels (an image's RGB stem: `SMALL_CHANNELS`), over any
+input layout. Either way the channels-last output is the [N*OH*OW, OC] result seen through
+a view and a permute:
 
     x [N,C,H,W] (NHWC in memory) -> permute -> view [NHW, C] -> addmm(bias, ., W^T [C, OC])
         -> view [N,H,W,OC] -> permute -> [N,OC,H,W] (NHWC in memory, as the convolution's)
     x -> opfuse::depthwise_rows(x, weight, bias, ...) [N*OH*OW, C] -> view -> permute
+    x -> opfuse::conv_rows(x, weight, bias, ...) [N*OH*OW, OC] -> view -> permute
 
 so the result takes its epilogue as a linear's does (bias, activation, residual add,
 stored through the view and permute), with tiles of rows computed in cache. A zero
@@ -16,7 +19,9 @@ weighs opfuse's GEMM (or its depthwise kernel), MKL's and torch's against the co
 itself, run as before by oneDNN with its post-ops (`convolution_of` finds it again).
 oneDNN's call through torch costs ~21 us before any work: opfuse's GEMM won on every 1x1
 layer of MobileNetV2 at batch 1 (1.05-2.2x alone), oneDNN on some of ResNet-50's and at
-batch 8.
+batch 8. oneDNN's kernels vectorise over input channels too, which a 3-channel stem leaves
+mostly empty: opfuse's direct kernel (backends/c/small_conv.py) vectorises over output
+channels only.
 
 Only float32 on the CPU, where opfuse's kernels run; other convolutions keep oneDNN.
 """
@@ -33,7 +38,31 @@ from .layout import is_channels_last
 
 CONV = "aten.convolution.default"
 DEPTHWISE = "opfuse.depthwise_rows.default"
+DENSE = "opfuse.conv_rows.default"
+ROW_CONVS = (DEPTHWISE, DENSE)  # the row producers opfuse's direct kernels run
+# Input channels up to which a convolution (one group, not 1x1) becomes rows for opfuse's
+# direct kernel: an image's colour channels.
+SMALL_CHANNELS = 4
 _NHWC_ROWS, _NCHW = [0, 2, 3, 1], [0, 3, 1, 2]
+
+
+def _rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+    groups: int,
+) -> torch.Tensor:
+    """A 2-D convolution's output as [N*OH*OW, OC] rows (its NHWC order), dense whatever
+    layout the convolution chose. `padding`: [height, width], or [top, left, bottom, right]
+    (zeros)."""
+    if len(padding) == 4:
+        top, left, bottom, right = padding
+        x, padding = F.pad(x, (left, right, top, bottom)), [0, 0]
+    y = F.conv2d(x, weight, bias, stride, padding, dilation, groups)
+    return y.permute(0, 2, 3, 1).reshape(-1, weight.shape[0]).contiguous()
 
 
 def _depthwise_rows(
@@ -44,21 +73,29 @@ def _depthwise_rows(
     padding: list[int],
     dilation: list[int],
 ) -> torch.Tensor:
-    """A depthwise 2-D convolution's output as [N*OH*OW, C] rows (its NHWC order), dense
-    whatever layout the convolution chose. `padding`: [height, width], or [top, left,
-    bottom, right] (zeros)."""
-    if len(padding) == 4:
-        top, left, bottom, right = padding
-        x, padding = F.pad(x, (left, right, top, bottom)), [0, 0]
-    y = F.conv2d(x, weight, bias, stride, padding, dilation, x.shape[1])
-    return y.permute(0, 2, 3, 1).reshape(-1, x.shape[1]).contiguous()
+    """A depthwise convolution's rows (one group per channel)."""
+    return _rows(x, weight, bias, stride, padding, dilation, x.shape[1])
 
 
-# The op graphs hold (torch.ops.opfuse.depthwise_rows); the same function is its fake
-# implementation: its torch ops run on fake tensors as they do on real ones (the rows are
-# made dense, as fake and real convolutions may choose their layouts differently).
+def _conv_rows(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    stride: list[int],
+    padding: list[int],
+    dilation: list[int],
+) -> torch.Tensor:
+    """A one-group convolution's rows."""
+    return _rows(x, weight, bias, stride, padding, dilation, 1)
+
+
+# The ops graphs hold (torch.ops.opfuse.*_rows); the same functions are their fake
+# implementations: their torch ops run on fake tensors as they do on real ones (the rows
+# are made dense, as fake and real convolutions may choose their layouts differently).
 depthwise_rows = torch.library.custom_op("opfuse::depthwise_rows", mutates_args=())(_depthwise_rows)
 depthwise_rows.register_fake(_depthwise_rows)
+conv_rows = torch.library.custom_op("opfuse::conv_rows", mutates_args=())(_conv_rows)
+conv_rows.register_fake(_conv_rows)
 
 
 def convs_as_rows(graph: Graph, devices: Sequence[str] = ("cpu",)) -> tuple[Graph, list[str]]:
@@ -98,10 +135,20 @@ def _rewrite(b: GraphBuilder, n: Node, devices: Sequence[str]) -> tuple[Node, st
         or {xm.dtype, wm.dtype, out.dtype} != {torch.float32}
         or xm.device_type not in devices
         or xm.device_type != "cpu"
-        or not is_channels_last(xm)
         or not is_channels_last(out)
         or out.numel == 0
     ):
+        return None
+    channels = xm.shape[1]
+    # a few input channels: the direct kernel reads any layout (the stem reads the
+    # caller's NCHW image, with no copy into NHWC first)
+    dense = (
+        a["groups"] == 1
+        and channels <= SMALL_CHANNELS
+        and tuple(wm.shape[2:]) != (1, 1)
+        and w.op == CONSTANT  # packed once (backends/c/small_conv.py)
+    )
+    if not dense and not is_channels_last(xm):
         return None
     pointwise = (
         a["groups"] == 1
@@ -110,13 +157,12 @@ def _rewrite(b: GraphBuilder, n: Node, devices: Sequence[str]) -> tuple[Node, st
         and all(p == 0 for p in (*a["padding"], *pads))
         and all(d == 1 for d in a["dilation"])
     )
-    channels = xm.shape[1]
     depthwise = (
         a["groups"] == channels == wm.shape[0]
         and wm.shape[1] == 1
         and w.op == CONSTANT  # packed once, taps first (backends/c/depthwise.py)
     )
-    if not pointwise and not depthwise:
+    if not pointwise and not depthwise and not dense:
         return None
     # (torch.export may leave one value for both dims: padding="valid" is [0])
     stride, padding, dilation = (_pair(a[k]) for k in ("stride", "padding", "dilation"))
@@ -139,8 +185,9 @@ def _rewrite(b: GraphBuilder, n: Node, devices: Sequence[str]) -> tuple[Node, st
             else:
                 y = b.call(aten.mm.default, rows, weight, source=src)
         else:
+            op = torch.ops.opfuse.depthwise_rows if depthwise else torch.ops.opfuse.conv_rows
             y = b.call(
-                torch.ops.opfuse.depthwise_rows.default,
+                op.default,
                 b.get(x),
                 b.get(w),
                 b.get(bias) if isinstance(bias, Node) else None,
@@ -165,7 +212,10 @@ def _rewrite(b: GraphBuilder, n: Node, devices: Sequence[str]) -> tuple[Node, st
     padded = " (the zero padding before it folded in)" if unpadded is not None else ""
     if pointwise:
         return y, "a 1x1 convolution, as a matmul over channels-last rows" + padded
-    return y, "a depthwise convolution, as rows of its channels-last output" + padded
+    if depthwise:
+        return y, "a depthwise convolution, as rows of its channels-last output" + padded
+    what = f"a convolution over {channels} input channels, as rows of its channels-last output"
+    return y, what + padded
 
 
 def _unpadded(x: Node) -> tuple[Node, tuple[int, int, int, int]] | None:
@@ -200,14 +250,15 @@ def convolution_of(graph: Graph, anchor: Node) -> tuple[Node, Node] | None:
     out = users[out[0]]
     if len(out) != 1 or out[0].op != "aten.permute.default" or list(out[0].args[1]) != _NCHW:
         return None
-    if anchor.op == DEPTHWISE:
+    if anchor.op in ROW_CONVS:
         x, w, bias, stride, padding, dilation = anchor.args
         assert isinstance(x, Node) and isinstance(padding, list)
         if len(padding) == 4:  # a convolution pads both sides alike
             if padding[:2] != padding[2:]:
                 return None
             padding = padding[:2]
-        args = (x, w, bias, stride, padding, dilation, False, [0, 0], x.tensor.shape[1])
+        groups = x.tensor.shape[1] if anchor.op == DEPTHWISE else 1
+        args = (x, w, bias, stride, padding, dilation, False, [0, 0], groups)
     elif anchor.op in ("aten.addmm.default", "aten.mm.default"):
         a = bind(anchor)
         rows, weight = (a["mat1"], a["mat2"]) if "mat1" in a else (a["self"], a["mat2"])

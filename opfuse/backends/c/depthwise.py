@@ -20,6 +20,7 @@ from ...lower.epilogue import TILE_COL, TILE_ROW
 from ...lower.kernel import Kernel
 from .emit import STORAGE
 from .gemm import tile_buffers, tile_epilogue
+from .small_conv import tile_call
 
 OWN_DEPTHWISE = r"""
 typedef float opfuse_dw_v16 __attribute__((vector_size(64)));
@@ -138,20 +139,23 @@ def pack_filters(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tenso
 
 
 def render_depthwise(name: str, k: DepthwiseKernel) -> str:
-    """C for one depthwise kernel. Arguments: x, the packed filters, the epilogue's buffers
-    in order (the result's is scratch for the tiles), an unused library address."""
+    """C for one depthwise (or few-channel: backends/c/small_conv.py) kernel. Arguments: x,
+    the packed filters, the epilogue's buffers in order (the result's is scratch for the
+    tiles), an unused library address."""
     g, epi = k.geometry, k.epilogue
+    what = f"depthwise {g.kh}x{g.kw}/{g.sh} over {g.n}x{g.h}x{g.w}x{g.c} NHWC"
+    if k.dense:
+        what = f"{g.kh}x{g.kw}/{g.sh} convolution over {g.n}x{g.c}x{g.h}x{g.w} -> {k.oc}"
     lines = [
         f"/* {k.name}: {', '.join(dict.fromkeys(k.ops))}",
-        f" * depthwise {g.kh}x{g.kw}/{g.sh} over {g.n}x{g.h}x{g.w}x{g.c} NHWC, tiles of "
-        f"{k.tile_m} pixels; epilogue in cache */",
+        f" * {what}, tiles of {k.tile_m} pixels; epilogue in cache */",
         f"int {name}(void *const *args, int nthreads) {{",
         "  const float *restrict X = (const float *)args[0];",
         "  const float *restrict WP = (const float *)args[1];",
     ]
     lines += tile_buffers(epi, k.gemm_buffer, k.in_place)
     local, res = not k.in_place, k.gemm_buffer
-    rows, c = k.rows, g.c
+    rows, c = k.rows, k.tile_n
     tiles = -(-rows // k.tile_m)
     m0, n0 = TILE_ROW, TILE_COL
     lines += ["  int err = 0;"]
@@ -169,11 +173,14 @@ def render_depthwise(name: str, k: DepthwiseKernel) -> str:
         )
     else:
         lines.append(f"    float *tile = {res} + {m0} * {c};")
-    lines.append(
-        f"    opfuse_dw_tile(X, {g.h * g.w * c}, 0, WP, tile, {c}, {m0}, mm, {g.h}, {g.w}, "
-        f"{c}, {g.oh}, {g.ow}, "
-        f"{g.kh}, {g.kw}, {g.sh}, {g.sw}, {g.ph}, {g.pw}, {g.dh}, {g.dw});"
-    )
+    if k.dense:
+        lines.append("    " + tile_call(k, "tile", f"{m0}, mm"))
+    else:
+        lines.append(
+            f"    opfuse_dw_tile(X, {g.h * g.w * c}, 0, WP, tile, {c}, {m0}, mm, {g.h}, {g.w}, "
+            f"{c}, {g.oh}, {g.ow}, "
+            f"{g.kh}, {g.kw}, {g.sh}, {g.sw}, {g.ph}, {g.pw}, {g.dh}, {g.dw});"
+        )
     if local:  # the epilogue over the tile; its loop variables are the rows' (i0, i1)
         lines += tile_epilogue(epi, res, local, "i0", "i1", str(c))
     lines += ["  }", "  return err;", "}"]

@@ -45,6 +45,7 @@ from .gemm import (
     render_gemm,
 )
 from .render import render_module
+from .small_conv import OWN_SMALL_CONV, pack_dense
 
 
 def build_module(graph: Graph, lowered: Lowered) -> Module:
@@ -74,7 +75,7 @@ def _name(lowered: Lowered, tag: str) -> _Named:
                 out.names[(gid, cname)] = tag + name
                 out.kernels.append((tag + name, c))
             elif isinstance(c, DepthwiseKernel):
-                name = f"{tag}{c.name}_opfuse_dw_{gid}"
+                name = f"{tag}{c.name}_{c.implementation.replace('-', '_')}_{gid}"
                 out.names[(gid, cname)] = name
                 out.depthwise.append((name, c))
             elif isinstance(c, DwGemmKernel):
@@ -105,8 +106,12 @@ def build_modules(parts: Sequence[tuple[Graph, Lowered]]) -> list[Module]:
     header = GEMM_TYPES if any(nm.gemms for nm in named) else ""
     if any(k.own for nm in named for _, k, _ in nm.gemms) or any(nm.dw_gemms for nm in named):
         header += OWN_GEMM
-    if any(nm.depthwise or nm.dw_gemms for nm in named):
+    if any(not d.dense for nm in named for _, d in nm.depthwise) or any(
+        nm.dw_gemms for nm in named
+    ):
         header += OWN_DEPTHWISE
+    if any(d.dense for nm in named for _, d in nm.depthwise):
+        header += OWN_SMALL_CONV
     # Sizes printed as expressions first; should that source fail, as values (the form every
     # graph with static sizes takes).
     for symbolic in (True, False):
@@ -320,11 +325,12 @@ def _make_depthwise(
 
 
 def _filters(graph: Graph, k: DepthwiseKernel) -> torch.Tensor:
-    """A depthwise kernel's frozen filters and bias, packed as it reads them."""
+    """A depthwise (or few-channel) kernel's frozen filters and bias, packed as it reads
+    them."""
     weight = _const(graph, k.weight)
     bias = _const(graph, k.bias)
     assert weight is not None and (bias is not None or k.bias is None)
-    return pack_filters(weight, bias)
+    return (pack_dense if k.dense else pack_filters)(weight, bias)
 
 
 def _make_dw_gemm(graph: Graph, k: DwGemmKernel, fn: Any, sizes: tuple[int, ...] = ()) -> Built:
