@@ -43,7 +43,8 @@ class Options:
     fold_batchnorm: bool = True
     fuse_attention: bool = True  # matmul-softmax-matmul as one fused attention call
     # 1x1 and depthwise convolutions over channels-last input as rows: a matmul, opfuse's
-    # depthwise kernel (rewrite/conv_rows.py), each timed against oneDNN's convolution
+    # depthwise kernel (rewrite/conv_rows.py); those over a few input channels (stems) as
+    # its direct kernel; each timed against oneDNN's convolution
     conv_rows: bool = True
     freeze: bool = True  # parameters are constants (eval-mode opfuse.compile)
     # "channels-last": frozen conv graphs run NHWC between convolutions; "keep": as captured.
