@@ -15,6 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import opfuse
+from opfuse.bench.models import MobileNetV3Large
 from tests.conftest import assert_matches_eager, assert_no_worse
 
 
@@ -137,6 +138,8 @@ _PAD[1, 9:] = True
 
 ZOO: dict[str, tuple[Callable[[], nn.Module], Callable[[], tuple[Any, ...]]]] = {
     "mbconv": (MBConv, lambda: (torch.randn(2, 16, 16, 16),)),
+    # hardswish, squeeze-and-excite over 5x5 depthwise blocks, a 3-channel stem
+    "mobilenet_v3": (lambda: MobileNetV3Large(10), lambda: (torch.randn(2, 3, 48, 48),)),
     "unet": (UNet, lambda: (torch.randn(2, 3, 32, 32),)),
     "dense": (DenseBlock, lambda: (torch.randn(2, 16, 16, 16),)),
     "window_attention": (WindowAttention, lambda: (torch.randn(2, 8, 8, 32),)),

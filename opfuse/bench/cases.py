@@ -206,7 +206,16 @@ def _conv(epilogue: bool) -> tuple[nn.Module, tuple[Any, ...]]:
     return m.eval(), (_rand(8, 64, 56, 56),)
 
 
-MODELS = ("resnet50", "mobilenet_v2", "bert_base", "gpt2_small", "convnext_t", "vit_b16", "mlp")
+MODELS = (
+    "resnet50",
+    "mobilenet_v2",
+    "mobilenet_v3",
+    "bert_base",
+    "gpt2_small",
+    "convnext_t",
+    "vit_b16",
+    "mlp",
+)
 
 
 def model_cases() -> list[Case]:

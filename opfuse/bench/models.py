@@ -114,6 +114,88 @@ class MobileNetV2(nn.Module):
         return self.classifier(torch.flatten(x, 1))
 
 
+def _divisible(v: float, d: int = 8) -> int:
+    """torchvision's _make_divisible: channels rounded to a multiple of d, never below 90%."""
+    new = max(d, int(v + d / 2) // d * d)
+    return new + d if new < 0.9 * v else new
+
+
+class SqueezeExcite(nn.Module):
+    """Global average -> 1x1 conv -> ReLU -> 1x1 conv -> hardsigmoid, scaling the input."""
+
+    def __init__(self, c: int) -> None:
+        super().__init__()
+        squeeze = _divisible(c // 4)
+        self.fc1, self.fc2 = nn.Conv2d(c, squeeze, 1), nn.Conv2d(squeeze, c, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = self.fc2(F.relu(self.fc1(F.adaptive_avg_pool2d(x, 1))))
+        return x * F.hardsigmoid(s)
+
+
+class InvertedResidualV3(nn.Module):
+    """MobileNetV3's block: expand, depthwise (3x3 or 5x5), squeeze-and-excite, project."""
+
+    def __init__(self, inp: int, k: int, hidden: int, out: int, se: bool, hs: bool, s: int):
+        super().__init__()
+        self.use_res = s == 1 and inp == out
+        act: type[nn.Module] = nn.Hardswish if hs else nn.ReLU
+        layers: list[nn.Module] = []
+        if hidden != inp:
+            layers += [nn.Conv2d(inp, hidden, 1, bias=False), nn.BatchNorm2d(hidden, 1e-3), act()]
+        layers += [
+            nn.Conv2d(hidden, hidden, k, s, (k - 1) // 2, groups=hidden, bias=False),
+            nn.BatchNorm2d(hidden, 1e-3),
+            act(),
+        ]
+        layers += [SqueezeExcite(hidden)] if se else []
+        layers += [nn.Conv2d(hidden, out, 1, bias=False), nn.BatchNorm2d(out, 1e-3)]
+        self.block = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.block(x) if self.use_res else self.block(x)
+
+
+class MobileNetV3Large(nn.Module):
+    """torchvision's mobilenet_v3_large, written out (no torchvision dependency)."""
+
+    def __init__(self, classes: int = 1000) -> None:
+        super().__init__()
+        # (input, kernel, expanded, output, squeeze-excite, hardswish, stride)
+        cfg = [
+            (16, 3, 16, 16, False, False, 1),
+            (16, 3, 64, 24, False, False, 2),
+            (24, 3, 72, 24, False, False, 1),
+            (24, 5, 72, 40, True, False, 2),
+            (40, 5, 120, 40, True, False, 1),
+            (40, 5, 120, 40, True, False, 1),
+            (40, 3, 240, 80, False, True, 2),
+            (80, 3, 200, 80, False, True, 1),
+            (80, 3, 184, 80, False, True, 1),
+            (80, 3, 184, 80, False, True, 1),
+            (80, 3, 480, 112, True, True, 1),
+            (112, 3, 672, 112, True, True, 1),
+            (112, 5, 672, 160, True, True, 2),
+            (160, 5, 960, 160, True, True, 1),
+            (160, 5, 960, 160, True, True, 1),
+        ]
+        layers: list[nn.Module] = [
+            nn.Conv2d(3, 16, 3, 2, 1, bias=False),
+            nn.BatchNorm2d(16, 1e-3),
+            nn.Hardswish(),
+        ]
+        layers += [InvertedResidualV3(*c) for c in cfg]
+        layers += [nn.Conv2d(160, 960, 1, bias=False), nn.BatchNorm2d(960, 1e-3), nn.Hardswish()]
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Sequential(
+            nn.Linear(960, 1280), nn.Hardswish(), nn.Dropout(0.2), nn.Linear(1280, classes)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.adaptive_avg_pool2d(self.features(x), 1)
+        return self.classifier(torch.flatten(x, 1))
+
+
 class LayerNorm2d(nn.LayerNorm):
     """LayerNorm over channels of an NCHW tensor, as ConvNeXt writes it."""
 
@@ -383,6 +465,7 @@ def zoo() -> dict[str, tuple[type[nn.Module], Any]]:
     return {
         "resnet50": (ResNet50, image),
         "mobilenet_v2": (MobileNetV2, image),
+        "mobilenet_v3": (MobileNetV3Large, image),
         "bert_base": (BertEncoder, tokens),
         "gpt2_small": (GPT2, lambda b: (tokens(b, 50257)[0],)),
         "convnext_t": (ConvNeXtT, image),

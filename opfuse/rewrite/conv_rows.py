@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ir.graph import CONSTANT, Graph, GraphBuilder, Node, TensorMeta, bind
-from .layout import is_channels_last
+from .layout import has_format, is_channels_last
 
 CONV = "aten.convolution.default"
 DEPTHWISE = "opfuse.depthwise_rows.default"
@@ -135,7 +135,7 @@ def _rewrite(b: GraphBuilder, n: Node, devices: Sequence[str]) -> tuple[Node, st
         or {xm.dtype, wm.dtype, out.dtype} != {torch.float32}
         or xm.device_type not in devices
         or xm.device_type != "cpu"
-        or not is_channels_last(out)
+        or not _rows_layout(out)
         or out.numel == 0
     ):
         return None
@@ -148,7 +148,7 @@ def _rewrite(b: GraphBuilder, n: Node, devices: Sequence[str]) -> tuple[Node, st
         and tuple(wm.shape[2:]) != (1, 1)
         and w.op == CONSTANT  # packed once (backends/c/small_conv.py)
     )
-    if not dense and not is_channels_last(xm):
+    if not dense and not _rows_layout(xm):
         return None
     pointwise = (
         a["groups"] == 1
@@ -216,6 +216,15 @@ def _rewrite(b: GraphBuilder, n: Node, devices: Sequence[str]) -> tuple[Node, st
         return y, "a depthwise convolution, as rows of its channels-last output" + padded
     what = f"a convolution over {channels} input channels, as rows of its channels-last output"
     return y, what + padded
+
+
+def _rows_layout(m: TensorMeta) -> bool:
+    """Is m laid out NHWC: channels-last, or 1x1 images, which are NCHW and NHWC alike (a
+    squeeze-and-excitation branch's pooled [N, C, 1, 1], whose 1x1 convolutions are then
+    matmuls rather than oneDNN calls of ~20 us each)."""
+    return is_channels_last(m) or (
+        m.ndim == 4 and m.numel > 0 and has_format(m, torch.channels_last) and m.shape[2:] == (1, 1)
+    )
 
 
 def _unpadded(x: Node) -> tuple[Node, tuple[int, int, int, int]] | None:
