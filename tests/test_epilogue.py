@@ -612,6 +612,26 @@ def test_gemm_tiles_fit_in_cache_keep_rows_tall_and_come_in_whole_rounds(
         assert count % threads == 0 or count > 4 * threads, (tm, tn, count)
 
 
+@pytest.mark.parametrize(("m", "n", "mkl", "own"), [(196, 672, 384, 352), (49, 960, 512, 480)])
+def test_opfuse_gemm_splits_columns_in_its_panels(m: int, n: int, mkl: int, own: int) -> None:
+    """Few rows: the threads share the columns, MKL's in multiples of 64, opfuse's GEMM
+    in its panels of 32 (672 columns went 12 panels to one thread, 9 to the other)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(112, n)
+    x = torch.randn(m, 112)
+    mod = Fn(lambda t: F.hardswish(lin(t))).eval()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # the split is per thread
+    try:
+        for impl, tn in (("blocked", mkl), ("opfuse-gemm", own)):
+            fast = opfuse.compile(mod, (x,), options=opfuse.Options(implementation=impl))
+            assert_matches_eager(mod, fast(x), (x,))
+            (g,) = fast.report.groups
+            assert g.implementation.startswith(impl) and f"tiles {m}x{tn}," in g.source_code
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_blocked_gemm_scratch_holds_a_tile_per_thread_not_the_whole_result() -> None:
     # Each thread computes its tiles in its own slot: the scratch needs threads x tile,
     # not the [m, n] result (BERT-base's MLP at batch 8 kept 12.6 MB for it).

@@ -232,14 +232,16 @@ TILE_MAX_ELEMENTS = 1 << 19  # 2 MB of float32: a tile and its epilogue stay in 
 OWN_PANEL = 32  # the columns of a panel of B packed for opfuse's GEMM (backends/c/gemm.py)
 
 
-def tiles(spec: GemmSpec, threads: int, epilogue: bool = True) -> tuple[int, int]:
+def tiles(spec: GemmSpec, threads: int, epilogue: bool = True, panel: int = 64) -> tuple[int, int]:
     """Tile sizes, measured on MKL's packed GEMM: one tile per thread where that keeps
     tiles at least 128 rows tall (splitting columns when rows are few: a short, wide tile
     keeps the library at full speed), then narrower (down to 512 columns), then shorter
     tiles while an epilogue's tile would not fit in cache. Columns go first: each row of
     tiles streams the whole weight again, each column of tiles only its block of it (ViT-B's
     MLP, 1576x768x3072: 15 tiles of 112x3072 cost the epilogue +32% over the bare GEMM,
-    16 of 788x384 +2%)."""
+    16 of 788x384 +2%). Columns are split in multiples of `panel`: 64 for MKL, opfuse's
+    GEMM its panels of 32 (OWN_PANEL), so the threads get equal shares (672 columns: 11
+    and 10 panels, where multiples of 64 gave 12 and 9)."""
     m, n = spec.m, spec.n
     if spec.batch >= threads:
         return m, n
@@ -247,7 +249,7 @@ def tiles(spec: GemmSpec, threads: int, epilogue: bool = True) -> tuple[int, int
         tm, tn = -(-m // threads), n
     else:
         tm = m
-        tn = _round_up(-(-n // threads), 64)
+        tn = _round_up(-(-n // threads), panel)
     if epilogue:
         while tm * tn > TILE_MAX_ELEMENTS and tn > 512:
             tn = _round_up(tn // 2, 64)
@@ -273,9 +275,10 @@ def lower_blocked(
     members: Sequence[Node],
     threads: int,
     tile: tuple[int, int] | None = None,
+    panel: int = 64,
 ) -> GemmKernel:
-    """The GEMM in tiles (`tile`: rows x columns, else `tiles` chooses), each tile's
-    epilogue run while it is in cache."""
+    """The GEMM in tiles (`tile`: rows x columns, else `tiles` chooses, columns in
+    multiples of `panel`), each tile's epilogue run while it is in cache."""
     spec, why = gemm_spec(anchor)
     if spec is None:
         raise NotFusable(why)
@@ -296,7 +299,7 @@ def lower_blocked(
     kernel, low = lower_on_domain(graph, epi or [anchor], domain, {anchor: gemm_value})
     gemm_buf = low.in_buffers[anchor].name
     _check_tile_local(kernel, gemm_buf)
-    tm, tn = tile or tiles(spec, threads, epilogue=bool(epi))
+    tm, tn = tile or tiles(spec, threads, epilogue=bool(epi), panel=panel)
     k = GemmKernel(
         name=_name(anchor, epi),
         ops=(anchor.op, *(m.op for m in epi)),
