@@ -612,13 +612,13 @@ def test_gemm_tiles_fit_in_cache_keep_rows_tall_and_come_in_whole_rounds(
         assert count % threads == 0 or count > 4 * threads, (tm, tn, count)
 
 
-@pytest.mark.parametrize(("m", "n", "mkl", "own"), [(196, 672, 384, 352), (49, 960, 512, 480)])
+@pytest.mark.parametrize(("m", "n", "mkl", "own"), [(40, 672, 384, 352), (40, 960, 512, 480)])
 def test_opfuse_gemm_splits_columns_in_its_panels(m: int, n: int, mkl: int, own: int) -> None:
     """Few rows: the threads share the columns, MKL's in multiples of 64, opfuse's GEMM
     in its panels of 32 (672 columns went 12 panels to one thread, 9 to the other)."""
     torch.manual_seed(0)
-    lin = nn.Linear(112, n)
-    x = torch.randn(m, 112)
+    lin = nn.Linear(32, n)  # (A in L1: opfuse's GEMM splits columns too)
+    x = torch.randn(m, 32)
     mod = Fn(lambda t: F.hardswish(lin(t))).eval()
     threads = torch.get_num_threads()
     torch.set_num_threads(2)  # the split is per thread
@@ -628,6 +628,49 @@ def test_opfuse_gemm_splits_columns_in_its_panels(m: int, n: int, mkl: int, own:
             assert_matches_eager(mod, fast(x), (x,))
             (g,) = fast.report.groups
             assert g.implementation.startswith(impl) and f"tiles {m}x{tn}," in g.source_code
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize(
+    ("m", "k", "n", "tile"),
+    [
+        (196, 672, 112, (98, 112)),  # A past L1, B in L2: rows split
+        (49, 960, 160, (25, 160)),
+        (49, 160, 960, (49, 480)),  # A in L1: columns, in panels of 32
+        (128, 768, 3072, (128, 1536)),  # B past L2 (BERT's MLP): columns
+        (3136, 64, 256, (1568, 256)),  # rows enough for a tile each: as MKL's
+    ],
+)
+def test_opfuse_gemm_splits_rows_where_a_short_matrix_would_reread_its_input(
+    m: int, k: int, n: int, tile: tuple[int, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from types import SimpleNamespace
+
+    from opfuse.lower import epilogue
+
+    monkeypatch.setattr(epilogue, "l1_bytes", lambda: 48 << 10)
+    monkeypatch.setattr(epilogue, "l2_bytes", lambda: 1 << 20)
+    spec = SimpleNamespace(m=m, k=k, n=n, batch=1, packable=True)
+    assert epilogue.own_tiles(spec, 2) == tile  # type: ignore[arg-type]
+    # a B the kernel packs (attention's), each thread would pack whole: columns
+    spec = SimpleNamespace(m=m, k=k, n=n, batch=1, packable=False)
+    assert epilogue.own_tiles(spec, 2) == epilogue.tiles(spec, 2, panel=32)  # type: ignore[arg-type]
+
+
+def test_opfuse_gemm_row_tiles_match_eager() -> None:
+    torch.manual_seed(1)
+    lin = nn.Linear(672, 112)
+    x, res = torch.randn(196, 672), torch.randn(196, 112)
+    mod = Fn(lambda t, r: F.hardswish(lin(t)) + r).eval()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        opts = opfuse.Options(implementation="opfuse-gemm")
+        fast = opfuse.compile(mod, (x, res), options=opts)
+        assert_matches_eager(mod, fast(x, res), (x, res))
+        (g,) = fast.report.groups
+        assert "tiles 98x112," in g.source_code, g.source_code[:300]
     finally:
         torch.set_num_threads(threads)
 

@@ -24,7 +24,6 @@ from .depthwise import DepthwiseKernel, lower_depthwise
 from .dw_gemm import DwGemmKernel, pair_depthwise_gemms
 from .epilogue import (
     GEMMS,
-    OWN_PANEL,
     GemmKernel,
     OneDnnPlan,
     PackedThenKernel,
@@ -33,7 +32,7 @@ from .epilogue import (
     lower_unfused,
     match_onednn,
     own_gemm,
-    tiles,
+    own_tiles,
 )
 from .kernel import Kernel
 from .lowering import NotFusable, lower_group
@@ -119,12 +118,11 @@ def _blocked(
     cands["blocked"] = k
     try:
         own = own_gemm(k)
-        # opfuse's GEMM splits columns in its panels of 32 (epilogue.tiles): MobileNetV3-
-        # Large b1 0.91x the time (672 columns had gone 12 panels to one thread, 9 to the
-        # other; 960 as 512 and 448)
-        epilogue = any(m is not anchor for m in members)
-        if tiles(k.spec, threads, epilogue, OWN_PANEL) != (k.tile_m, k.tile_n):
-            own = own_gemm(lower_blocked(graph, anchor, members, threads, panel=OWN_PANEL))
+        # opfuse's GEMM takes tiles of its own (epilogue.own_tiles: columns in its panels
+        # of 32, rows split where few rows would share wide columns)
+        tile = own_tiles(k.spec, threads, any(m is not anchor for m in members))
+        if tile != (k.tile_m, k.tile_n):
+            own = own_gemm(lower_blocked(graph, anchor, members, threads, tile=tile))
         cands["opfuse-gemm"] = own
     except NotFusable as e:
         notes.append(f"opfuse-gemm: {e}")

@@ -36,3 +36,8 @@ def last_level_bytes() -> int:
 def l2_bytes() -> int:
     """One core's level-2 cache (1 MiB where the system does not say)."""
     return _levels().get(2, 1 << 20)
+
+
+def l1_bytes() -> int:
+    """One core's level-1 data cache (32 KiB where the system does not say)."""
+    return _levels().get(1, 32 << 10)
