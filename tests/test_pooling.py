@@ -109,6 +109,38 @@ def test_pointwise_ops_around_a_pool_run_in_its_kernel() -> None:
         assert fast.report.kernels_after == 1, str(fast.report)
 
 
+@pytest.mark.parametrize(
+    "act",
+    [torch.relu, lambda t: F.hardtanh(t, -1.0, 2.0), lambda t: t.clamp(min=0.5)],
+    ids=["relu", "hardtanh", "clamp"],
+)
+def test_a_monotone_op_before_a_max_pool_runs_after_it(act: Any) -> None:
+    """max(f(x)) = f(max(x)) for a non-decreasing f where every window holds an element
+    of x: f runs once per output. NaN and infinities land where eager puts them."""
+    x = torch.randn(2, 8, 15, 17)
+    x[0, 1, 2, 3], x[1, 2, 0, 0], x[1, 3, 5, 5] = float("nan"), float("-inf"), float("inf")
+    x[1, 4] = float("-inf")  # a whole channel of -inf: f(-inf) in every window
+    for cl in (False, True):
+        m, fast = _compile(lambda t: F.max_pool2d(act(t), 3, 2, 1), _layout(x, cl))
+        (note,) = fast.report.pools
+        assert "applied after" in note, note
+        assert fast.report.kernels_after == 1
+        out = fast(_layout(x, cl))
+        assert torch.equal(torch.isnan(out), torch.isnan(m(_layout(x, cl))))
+
+
+def test_an_op_before_a_max_pool_stays_before_it_where_it_must() -> None:
+    x = torch.randn(2, 8, 15, 17)
+    cases = [
+        lambda t: F.max_pool2d(torch.relu(t), 3, 2, 1, dilation=2),  # windows may miss x
+        lambda t: (lambda r: F.max_pool2d(r, 3, 2, 1) + r.mean())(torch.relu(t)),  # read twice
+        lambda t: F.max_pool2d(torch.sigmoid(t) * t, 3, 2, 1),  # not monotone
+    ]
+    for f in cases:
+        _, fast = _compile(f, x)
+        assert not any("applied after" in n for n in fast.report.pools), fast.report.pools
+
+
 def test_channels_last_pools_take_lanes_along_the_channels() -> None:
     x = _layout(torch.randn(2, 32, 16, 16), True)
     _, fast = _compile(lambda t: F.max_pool2d(t, 3, 2, 1), x)
