@@ -20,9 +20,11 @@ from ...lower.epilogue import TILE_COL, TILE_ROW
 from ...lower.kernel import Kernel
 from .emit import STORAGE
 from .gemm import tile_buffers, tile_epilogue
-from .small_conv import tile_call
+from .small_conv import INSIDE_COLUMNS, tile_call
 
-OWN_DEPTHWISE = r"""
+OWN_DEPTHWISE = (
+    INSIDE_COLUMNS
+    + r"""
 typedef float opfuse_dw_v16 __attribute__((vector_size(64)));
 
 /* np output pixels of row oh from column ow, channels c..c+15: np a constant where
@@ -91,10 +93,8 @@ static inline void opfuse_dw_tile(const float *restrict x, int64_t xs, int64_t r
                                   int KH, int KW, int SH, int SW, int PH, int PW, int DH,
                                   int DW) {
   const float *restrict bias = wp + (int64_t)KH * KW * C;
-  /* output columns [lo, hi] read windows inside the input */
-  const int64_t lo = (PW + SW - 1) / SW;
-  const int64_t last = W - 1 + PW - (int64_t)(KW - 1) * DW;
-  const int64_t hi = last < 0 ? -1 : last / SW;
+  int64_t lo, hi;
+  opfuse_inside_columns(W, KW, SW, PW, DW, &lo, &hi);
   const int64_t r1 = r0 + rows;
   int64_t r = r0;
   while (r < r1) {
@@ -127,6 +127,7 @@ static inline void opfuse_dw_tile(const float *restrict x, int64_t xs, int64_t r
   }
 }
 """
+)
 
 
 def pack_filters(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

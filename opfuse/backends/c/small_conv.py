@@ -17,7 +17,23 @@ import torch
 
 from ...lower.depthwise import DepthwiseKernel
 
-OWN_SMALL_CONV = r"""
+# Shared with the depthwise kernel's header (either may come alone, or both).
+INSIDE_COLUMNS = r"""
+#ifndef OPFUSE_INSIDE_COLUMNS
+#define OPFUSE_INSIDE_COLUMNS
+/* The output columns [*lo, *hi] whose windows lie inside the input (no edge checks). */
+static inline void opfuse_inside_columns(int64_t W, int KW, int SW, int PW, int DW,
+                                         int64_t *lo, int64_t *hi) {
+  *lo = (PW + SW - 1) / SW;
+  const int64_t last = W - 1 + PW - (int64_t)(KW - 1) * DW;
+  *hi = last < 0 ? -1 : last / SW;
+}
+#endif
+"""
+
+OWN_SMALL_CONV = (
+    INSIDE_COLUMNS
+    + r"""
 typedef float opfuse_cv_v16 __attribute__((vector_size(64)));
 
 /* np output pixels of row oh from column ow, output channels [0, nv * 16) of wp's (wp,
@@ -95,10 +111,8 @@ static void opfuse_cv_tile(const float *restrict x, int64_t SN, int64_t SC,
                                   int DH, int DW) {
   const int64_t OCP = (OC + 15) / 16 * 16;
   const float *restrict bias = wp + (int64_t)C * KH * KW * OCP;
-  /* output columns [lo, hi] read windows inside the input */
-  const int64_t lo = (PW + SW - 1) / SW;
-  const int64_t last = W - 1 + PW - (int64_t)(KW - 1) * DW;
-  const int64_t hi = last < 0 ? -1 : last / SW;
+  int64_t lo, hi;
+  opfuse_inside_columns(W, KW, SW, PW, DW, &lo, &hi);
   const int64_t r1 = r0 + rows;
   int64_t r = r0;
   while (r < r1) {
@@ -127,6 +141,7 @@ static void opfuse_cv_tile(const float *restrict x, int64_t SN, int64_t SC,
   }
 }
 """
+)
 
 
 def pack_dense(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
