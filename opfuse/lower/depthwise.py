@@ -126,7 +126,7 @@ def lower_depthwise(
     if not dense and any(s != t for s, t, d in zip(xm.stride, nhwc, xm.shape) if d > 1):
         raise NotFusable("the depthwise kernel reads a dense NHWC input")
     if const_root(w) is not w or (isinstance(bias, Node) and const_root(bias) is None):
-        raise NotFusable("the depthwise kernel packs frozen filters")
+        raise NotFusable("opfuse's direct kernels pack frozen filters")
     assert rows == n * oh * ow
     rows = n * oh * ow  # (an expression of the input's sizes where they are symbolic)
     epi = [m for m in members if m is not anchor]
