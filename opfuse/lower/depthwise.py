@@ -14,7 +14,7 @@ from typing import Any
 
 from ..ir.graph import Graph, Node
 from ..ir.index import Ix
-from ..rewrite.conv_rows import DENSE
+from ..rewrite.conv_rows import DENSE, DEPTHWISE
 from .epilogue import (
     _check_tile_local,
     _name,
@@ -30,6 +30,8 @@ from .lowering import NotFusable, _Lowering, lower_on_domain
 # Floats of output a tile holds: with the input rows it reads, it stays in L2.
 TILE_FLOATS = 1 << 15
 MAX_TAPS = 49  # the kernel keeps a channel block's taps in registers: 7x7 at most
+# the candidate each row producer's direct kernel is (Options.implementation)
+IMPLEMENTATION = {DEPTHWISE: "opfuse-dw", DENSE: "opfuse-conv"}
 
 
 @dataclass(frozen=True)
@@ -67,19 +69,19 @@ class DepthwiseKernel:
     gemm_buffer: str  # the epilogue's buffer that holds the convolution's result
     tile_m: int
     threads: int
-    # a one-group convolution (`conv_rows`): its output channels, and the input's strides
-    # (N, C, H, W), any layout; 0 and () for a depthwise one (dense NHWC input)
-    oc: int = 0
+    oc: int  # output channels (a depthwise one's are its input's)
+    # a one-group convolution's (`conv_rows`) input strides (N, C, H, W), any layout; ()
+    # for a depthwise one (dense NHWC input)
     x_strides: tuple[int, ...] = ()
     notes: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
     def dense(self) -> bool:
-        return self.oc > 0
+        return self.ops[0] == DENSE
 
     @property
     def implementation(self) -> str:
-        return "opfuse-conv" if self.dense else "opfuse-dw"
+        return IMPLEMENTATION[self.ops[0]]
 
     @property
     def in_place(self) -> bool:
@@ -88,7 +90,7 @@ class DepthwiseKernel:
 
     @property
     def tile_n(self) -> int:
-        return self.oc if self.dense else self.geometry.c
+        return self.oc
 
     @property
     def rows(self) -> int:
@@ -134,11 +136,10 @@ def lower_depthwise(
     def value(low: _Lowering, idx: tuple[Ix, ...]) -> Any:
         return low._load(anchor, idx)
 
-    cols = oc if dense else c
-    kernel, low = lower_on_domain(graph, epi or [anchor], (rows, cols), {anchor: value})
+    kernel, low = lower_on_domain(graph, epi or [anchor], (rows, oc), {anchor: value})
     buf = low.in_buffers[anchor].name
     _check_tile_local(kernel, buf)
-    tm = even_tiles(rows, max(1, TILE_FLOATS // cols), threads)
+    tm = even_tiles(rows, max(1, TILE_FLOATS // oc), threads)
     k = DepthwiseKernel(
         name=_name(anchor, epi),
         ops=(anchor.op, *(m.op for m in epi)),
@@ -150,7 +151,7 @@ def lower_depthwise(
         gemm_buffer=buf,
         tile_m=tm,
         threads=threads,
-        oc=oc if dense else 0,
+        oc=oc,
         x_strides=tuple(xm.stride) if dense else (),
     )
-    return k if k.in_place else replace(k, epilogue=_read_tile_slot(kernel, buf, cols))
+    return k if k.in_place else replace(k, epilogue=_read_tile_slot(kernel, buf, oc))

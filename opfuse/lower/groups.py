@@ -18,9 +18,9 @@ import torch
 
 from ..fusion.groups import Group, Partition, Pattern
 from ..ir.graph import Graph, Node, bind
-from ..rewrite.conv_rows import DEPTHWISE, ROW_CONVS, convolution_of
+from ..rewrite.conv_rows import ROW_CONVS, convolution_of
 from ..rewrite.layout import is_channels_last as channels_last
-from .depthwise import DepthwiseKernel, lower_depthwise
+from .depthwise import IMPLEMENTATION, DepthwiseKernel, lower_depthwise
 from .dw_gemm import DwGemmKernel, pair_depthwise_gemms
 from .epilogue import (
     GEMMS,
@@ -231,7 +231,7 @@ def _depthwise(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candidat
         k = lower_depthwise(graph, a, g.nodes, threads)
         cands[k.implementation] = k
     except NotFusable as e:
-        notes.append(f"{'opfuse-dw' if a.op == DEPTHWISE else 'opfuse-conv'}: {e}")
+        notes.append(f"{IMPLEMENTATION[a.op]}: {e}")
     return cands, notes
 
 
