@@ -142,16 +142,31 @@ def _documented_sum(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("m,k,n", [(7, 300, 33), (1, 70, 5), (4, 40, 40)])
+@pytest.mark.parametrize("m,k,n", [(7, 300, 33), (1, 70, 5), (4, 40, 40), (20, 300, 70)])
 def test_sums_follow_the_documented_order_bit_for_bit(m: int, k: int, n: int) -> None:
     """Full strips of 6 rows, the last rows (a count of their own), a panel's spare
-    columns: each result equals the documented order exactly. (It did not when gcc split
-    the FMA into a multiply and an add in a function the strips were inlined into.)"""
+    columns, strips that ask the next panel into cache: each result equals the documented
+    order exactly. (It did not when gcc split the FMA into a multiply and an add in a
+    function the strips were inlined into.)"""
     torch.manual_seed(k)
     w, x = torch.randn(k, n), torch.randn(m, k)
     fast = _compiled(Fn(lambda t: t @ w), x)
     want = _documented_sum(x.numpy(), w.numpy())
     assert np.array_equal(fast(x).numpy(), want)
+
+
+def test_a_frozen_weight_is_prefetched_a_b_the_kernel_packs_is_not() -> None:
+    """A weight comes from memory in a model: the GEMM of a frozen one asks its next
+    panel into cache; a B the kernel packs on every call (attention's) is in cache."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 96)
+    linear = _compiled(nn.Linear(96, 128), x)
+    (src,) = [g.source_code for g in linear.report.groups if "opfuse_gemm_tile" in g.source_code]
+    assert "mm, nn, 96, 1);" in src, src
+    a, b = torch.randn(2, 64, 96), torch.randn(2, 96, 128)
+    bmm = _compiled(Fn(torch.bmm), a, b)
+    (src,) = [g.source_code for g in bmm.report.groups if "opfuse_gemm_tile" in g.source_code]
+    assert "opfuse_gemm_pack" in src and "mm, nn, 96, 0);" in src, src
 
 
 def test_nan_and_inf_in_the_input_reach_their_rows_only() -> None:

@@ -242,7 +242,7 @@ def render_dw_gemm(name: str, k: DwGemmKernel, project_floats: int) -> str:
             f"    const int64_t {m0} = (n * {g.h} + row0) * {g.w}, {n0} = 0;",
             f"    const int64_t mm = (row1 - row0) * {g.w};",
             f"    opfuse_gemm_tile(X + {m0} * {e.spec.a.ld}, {e.spec.a.ld}, BE, xs, {c}, (int)mm, "
-            f"{c}, {e.spec.k});",
+            f"{c}, {e.spec.k}, 0);",
         ]
         lines.append("    float *tile = xs;")
         # the expansion's rows are stored over its GEMM's, in place
@@ -271,7 +271,7 @@ def render_dw_gemm(name: str, k: DwGemmKernel, project_floats: int) -> str:
     lines += [
         f"    float *tile = {out};",
         f"    const int nn = {n};",
-        f"    opfuse_gemm_tile(atile, {c}, B, tile, {n}, (int)mm, nn, {c});",
+        f"    opfuse_gemm_tile(atile, {c}, B, tile, {n}, (int)mm, nn, {c}, 0);",
     ]
     lines += tile_epilogue(gk.epilogue, gk.gemm_buffer, not gk.in_place, "i0", "i1", "nn")
     lines += ["    }", "  }", "  return err;", "}"]

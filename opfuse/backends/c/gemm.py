@@ -44,9 +44,20 @@ typedef void (*opfuse_sgemm_t)(const char *, const char *, const int *, const in
 # each chain short: against float64, its max error was never above MKL's in 250 random
 # linears (docs/numerics.md). GNU C vectors, not intrinsics: any target gcc vectorises for;
 # the FMA is allowed here only (-ffp-contract=off elsewhere).
+# A frozen weight in a model comes from memory, not cache: the first strip over each panel
+# waited for it at memory speed (a 128x768x3072 linear cycling through 16 weights ran 8%
+# slower than on one). A tile of OPFUSE_PF_MIN..OPFUSE_PF_MAX full strips asks the next
+# panel into L2 while it computes the current one, each strip its share, a few lines before
+# each block of 32 k (all of a strip's share at its start was slower than none). Fewer
+# strips (a matrix of few rows: memory-bound either way) or more (the panel's wait spread
+# over them; prefetching made ResNet-50 b8 and ViT-B/16 b8 1-2% slower) ask nothing, nor do
+# the fused depthwise blocks (their weights stay in cache from band to band; MobileNetV2 b1
+# 1.01x slower) and a B the kernel packs itself.
 OWN_NR = OWN_PANEL
 OWN_GEMM = r"""
 #define OPFUSE_MR 6
+#define OPFUSE_PF_MIN 3
+#define OPFUSE_PF_MAX 48
 typedef float opfuse_v16 __attribute__((vector_size(64)));
 
 /* acc[i] += a[i, k] * B[k] over k in [k0, k1), for i < rows, over the panel's first
@@ -77,7 +88,8 @@ static inline void opfuse_gemm_block(opfuse_v16 acc[OPFUSE_MR][2], const float *
 __attribute__((optimize("fp-contract=fast"), always_inline))
 static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
                                      const float *restrict bp, float *restrict c,
-                                     int64_t ldc, int rows, int w, int64_t K, int halves) {
+                                     int64_t ldc, int rows, int w, int64_t K, int halves,
+                                     const float *pf, int pf_step) {
   opfuse_v16 s[OPFUSE_MR][2], mid[OPFUSE_MR][2], acc[OPFUSE_MR][2];
   const opfuse_v16 zero = {0};
   #pragma GCC unroll 6
@@ -92,6 +104,8 @@ static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
     const int64_t k1 = k0 + 32 < K ? k0 + 32 : K;
     #pragma GCC unroll 6
     for (int i = 0; i < OPFUSE_MR; i++) acc[i][0] = acc[i][1] = zero;
+    for (int j = 0; j < pf_step; j++) __builtin_prefetch(pf + j * 16, 0, 2);
+    pf += pf_step * 16;
     opfuse_gemm_block(acc, a, lda, bp, k0, k1, rows, halves);
     #pragma GCC unroll 6
     for (int i = 0; i < OPFUSE_MR; i++) {
@@ -125,19 +139,32 @@ static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
 __attribute__((optimize("fp-contract=fast"), always_inline))
 static inline void opfuse_gemm_panel(const float *restrict a, int64_t lda,
                                      const float *restrict panel, float *restrict c,
-                                     int64_t ldc, int mm, int w, int64_t K, int halves) {
+                                     int64_t ldc, int mm, int w, int64_t K, int halves,
+                                     const float *next) {
   int i0 = 0;
-  for (; i0 + OPFUSE_MR <= mm; i0 += OPFUSE_MR)
-    opfuse_gemm_strip(a + i0 * lda, lda, panel, c + i0 * ldc, ldc, OPFUSE_MR, w, K, halves);
+  const int strips = mm / OPFUSE_MR;
+  if (next && strips >= OPFUSE_PF_MIN && strips <= OPFUSE_PF_MAX) {
+    /* each full strip asks its share of the next panel's lines (2 K) into L2, a few
+       before each block of 32 k */
+    const int64_t share = (2 * K + strips - 1) / strips, blocks = (K + 31) / 32;
+    const int step = (int)((share + blocks - 1) / blocks);
+    for (; i0 + OPFUSE_MR <= mm; i0 += OPFUSE_MR)
+      opfuse_gemm_strip(a + i0 * lda, lda, panel, c + i0 * ldc, ldc, OPFUSE_MR, w, K, halves,
+                        next + (i0 / OPFUSE_MR) * share * 16, step);
+  } else {
+    for (; i0 + OPFUSE_MR <= mm; i0 += OPFUSE_MR)
+      opfuse_gemm_strip(a + i0 * lda, lda, panel, c + i0 * ldc, ldc, OPFUSE_MR, w, K, halves,
+                        0, 0);
+  }
   /* the last rows, each count a constant of its own (registers, as for full strips) */
   const float *restrict at = a + i0 * lda;
   float *restrict ct = c + i0 * ldc;
   switch (mm - i0) {
-    case 1: opfuse_gemm_strip(at, lda, panel, ct, ldc, 1, w, K, halves); break;
-    case 2: opfuse_gemm_strip(at, lda, panel, ct, ldc, 2, w, K, halves); break;
-    case 3: opfuse_gemm_strip(at, lda, panel, ct, ldc, 3, w, K, halves); break;
-    case 4: opfuse_gemm_strip(at, lda, panel, ct, ldc, 4, w, K, halves); break;
-    case 5: opfuse_gemm_strip(at, lda, panel, ct, ldc, 5, w, K, halves); break;
+    case 1: opfuse_gemm_strip(at, lda, panel, ct, ldc, 1, w, K, halves, 0, 0); break;
+    case 2: opfuse_gemm_strip(at, lda, panel, ct, ldc, 2, w, K, halves, 0, 0); break;
+    case 3: opfuse_gemm_strip(at, lda, panel, ct, ldc, 3, w, K, halves, 0, 0); break;
+    case 4: opfuse_gemm_strip(at, lda, panel, ct, ldc, 4, w, K, halves, 0, 0); break;
+    case 5: opfuse_gemm_strip(at, lda, panel, ct, ldc, 5, w, K, halves, 0, 0); break;
     default: break;
   }
 }
@@ -167,14 +194,16 @@ static void opfuse_gemm_pack(const float *restrict b, int64_t sk, int64_t sn,
    16, 144, 1000's last) is computed one vector wide: half the FMAs of a full panel. */
 __attribute__((optimize("fp-contract=fast")))
 static void opfuse_gemm_tile(const float *restrict a, int64_t lda, const float *restrict bp,
-                             float *restrict c, int64_t ldc, int mm, int nn, int64_t K) {
+                             float *restrict c, int64_t ldc, int mm, int nn, int64_t K,
+                             int prefetch) {
   for (int p = 0; p * 32 < nn; p++) {
     const int w = nn - p * 32 < 32 ? nn - p * 32 : 32;
     const float *restrict panel = bp + (int64_t)p * K * 32;
+    const float *next = prefetch && (p + 1) * 32 < nn ? panel + K * 32 : 0;
     if (w > 16)
-      opfuse_gemm_panel(a, lda, panel, c + p * 32, ldc, mm, w, K, 2);
+      opfuse_gemm_panel(a, lda, panel, c + p * 32, ldc, mm, w, K, 2, next);
     else
-      opfuse_gemm_panel(a, lda, panel, c + p * 32, ldc, mm, w, K, 1);
+      opfuse_gemm_panel(a, lda, panel, c + p * 32, ldc, mm, w, K, 1, next);
   }
 }
 """
@@ -423,12 +452,12 @@ def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> s
         lines += [
             f"    float *bp = packing + (int64_t)omp_get_thread_num() * {k.pack_floats};",
             f"    opfuse_gemm_pack(B + {b_off}, {sk}, {sn}, bp, {s.k}, nn);",
-            f"    opfuse_gemm_tile(A + {a_off}, {s.a.ld}, bp, tile, {ldc}, mm, nn, {s.k});",
+            f"    opfuse_gemm_tile(A + {a_off}, {s.a.ld}, bp, tile, {ldc}, mm, nn, {s.k}, 0);",
         ]
     elif k.own:
         lines.append(
             f"    opfuse_gemm_tile(A + {a_off}, {s.a.ld}, B + packed_at[tn], tile, {ldc}, "
-            f"mm, nn, {s.k});"
+            f"mm, nn, {s.k}, 1);"
         )
     elif packed_offsets is not None:
         lines.append(
