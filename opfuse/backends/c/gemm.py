@@ -84,7 +84,8 @@ static inline void opfuse_gemm_block(opfuse_v16 acc[OPFUSE_MR][2], const float *
    the constant OPFUSE_MR for full strips: gcc then unrolls every row loop, keeps the sums
    in registers and zeroes them without calls (a variable row count left them in memory,
    cleared by memset calls on every block of 32 k: a third of the strip's time at K=64).
-   `halves` (a constant too): 1 where w <= 16, whose other 16 columns would be zeros. */
+   `halves` (a constant too): 1 where w <= 16, whose other 16 columns would be zeros.
+   Before each block of 32 k it asks pf_step lines from pf on into L2 (0: none). */
 __attribute__((optimize("fp-contract=fast"), always_inline))
 static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
                                      const float *restrict bp, float *restrict c,
@@ -152,19 +153,21 @@ static inline void opfuse_gemm_panel(const float *restrict a, int64_t lda,
       opfuse_gemm_strip(a + i0 * lda, lda, panel, c + i0 * ldc, ldc, OPFUSE_MR, w, K, halves,
                         next + (i0 / OPFUSE_MR) * share * 16, step);
   } else {
+    /* a loop of its own: strips called with the constant step 0 compile without the
+       prefetch (a run-time step in every strip made large-M GEMMs 2-5% slower) */
     for (; i0 + OPFUSE_MR <= mm; i0 += OPFUSE_MR)
       opfuse_gemm_strip(a + i0 * lda, lda, panel, c + i0 * ldc, ldc, OPFUSE_MR, w, K, halves,
-                        0, 0);
+                        panel, 0);
   }
   /* the last rows, each count a constant of its own (registers, as for full strips) */
   const float *restrict at = a + i0 * lda;
   float *restrict ct = c + i0 * ldc;
   switch (mm - i0) {
-    case 1: opfuse_gemm_strip(at, lda, panel, ct, ldc, 1, w, K, halves, 0, 0); break;
-    case 2: opfuse_gemm_strip(at, lda, panel, ct, ldc, 2, w, K, halves, 0, 0); break;
-    case 3: opfuse_gemm_strip(at, lda, panel, ct, ldc, 3, w, K, halves, 0, 0); break;
-    case 4: opfuse_gemm_strip(at, lda, panel, ct, ldc, 4, w, K, halves, 0, 0); break;
-    case 5: opfuse_gemm_strip(at, lda, panel, ct, ldc, 5, w, K, halves, 0, 0); break;
+    case 1: opfuse_gemm_strip(at, lda, panel, ct, ldc, 1, w, K, halves, panel, 0); break;
+    case 2: opfuse_gemm_strip(at, lda, panel, ct, ldc, 2, w, K, halves, panel, 0); break;
+    case 3: opfuse_gemm_strip(at, lda, panel, ct, ldc, 3, w, K, halves, panel, 0); break;
+    case 4: opfuse_gemm_strip(at, lda, panel, ct, ldc, 4, w, K, halves, panel, 0); break;
+    case 5: opfuse_gemm_strip(at, lda, panel, ct, ldc, 5, w, K, halves, panel, 0); break;
     default: break;
   }
 }
