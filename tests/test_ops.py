@@ -240,6 +240,39 @@ def test_integer_division_by_zero_raises_like_torch() -> None:
         fast(a, b)
 
 
+_W16 = torch.randn(16, 16, generator=torch.Generator().manual_seed(3))
+
+
+@pytest.mark.parametrize(
+    ("fn", "pattern"),
+    [
+        (lambda x, y: (x // y).amax(1), "fallback"),  # a reduction over rows
+        (lambda x, y: (x // y).sum(0), "fallback"),  # over columns
+        (lambda x, y: torch.remainder(x, y).sum(1), "fallback"),
+        (lambda x, y: (x.sum(1, keepdim=True) // y).amax(1), "fallback"),
+        # a matmul's epilogue (the tiles' epilogue checks nothing: it runs unfused)
+        (lambda x, y: ((x.float() @ _W16).long() // y).float() + 1, "gemm_epilogue"),
+    ],
+    ids=["amax-rows", "sum-columns", "remainder-sum", "sum-div-amax", "gemm-epilogue"],
+)
+def test_integer_division_by_zero_raises_in_reductions_and_epilogues(fn, pattern) -> None:  # type: ignore[no-untyped-def]
+    # These computed x // 0 without a word (a reduction's or a tile epilogue's kernel
+    # tests no divisor); such a group now runs where it is checked.
+    g = torch.Generator().manual_seed(2)
+    a = torch.randint(1, 9, (8, 16), generator=g)
+    b = torch.randint(1, 5, (8, 16), generator=g)
+    zero = b.clone()
+    zero[3, 5] = 0
+    m = Fn(fn).eval()
+    fast = opfuse.compile(m, (a, b))
+    assert_matches_eager(m, fast(a, b), (a, b))
+    assert pattern in {g.pattern.value for g in fast.report.groups}
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        m(a, zero)
+    with pytest.raises(RuntimeError, match="ZeroDivisionError"):
+        fast(a, zero)
+
+
 def test_integer_overflow_wraps_like_torch() -> None:
     a = torch.tensor([2**62, -(2**63), 2**31], dtype=torch.int64)
     m = Fn(lambda x: (x * 4 - 1) // -1).eval()

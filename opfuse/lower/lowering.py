@@ -387,6 +387,13 @@ class _Lowering:
     def run(self) -> Kernel:
         roots, out_buffers = self._roots()
         passes = self._passes(roots)
+        if self.checks and (self.dims or self.fixed_domain is not None):
+            # Only pointwise kernels test their divisors (render: err |= divisor == 0); a
+            # reduction's or a tile epilogue's would divide by zero without a word, where
+            # torch raises: such a group runs with torch.
+            raise NotFusable(
+                "an integer division whose divisor may be 0 in a reduction or epilogue"
+            )
         kernel = Kernel(
             name=kernel_name(self.order),
             ops=tuple(m.op for m in self.order),
