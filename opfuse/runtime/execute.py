@@ -24,6 +24,7 @@ import torch
 from ..ir.graph import TensorMeta, contents
 from .arena import new_arena
 from .finite import FiniteGuard
+from .runs import Run, find_runs
 
 
 # -- kernel arguments, in the kernel's argument order ---------------------------------------------
@@ -200,6 +201,7 @@ class _Frame(threading.local):
 
     ready: bool = False
     guarded: bool = False
+    runs: dict[int, Run] | None = None
 
 
 _LIVE: weakref.WeakSet[Runtime] = weakref.WeakSet()
@@ -311,6 +313,23 @@ class Runtime:
             for s in plan.steps
         ]
         f.guarded = any(f.bounded)
+        # Kernels whose arguments are all fixed, back to back, run from one C call; not
+        # those that carry bounds where a later library call is guarded by them.
+        carry = f.guarded and self.guards
+        f.runs = {
+            r.first: r
+            for r in find_runs(
+                [
+                    (si, s.fn, f.arrays[si])
+                    if type(s) is KernelStep
+                    and not s.tensors
+                    and not f.dynamic[si]
+                    and not (carry and s.bound is not None)
+                    else None
+                    for si, s in enumerate(plan.steps)
+                ]
+            )
+        }
         f.ready = True
         return f
 
@@ -335,7 +354,20 @@ class Runtime:
         # value bounds of this call, by slot (finite.py), where a step is guarded
         guarded = f.guarded and self.guards
         bounds: list[float | None] | None = [None] * plan.n_slots if guarded else None
+        runs = f.runs
+        until = 0  # steps before it ran in C, with the run they belong to
         for si, step in enumerate(plan.steps):
+            if si < until:
+                continue
+            run = runs.get(si) if runs else None
+            if run is not None:
+                if run.call(nthreads):
+                    raise RuntimeError("ZeroDivisionError")
+                until = si + run.n
+                for sj in range(si, until):
+                    for s in frees[sj]:
+                        env[s] = None
+                continue
             if skip[si]:  # a view made once, at the first call: its base's elements
                 if bounds is not None and type(step.args[0]) is Slot:
                     bounds[step.output] = bounds[step.args[0].index]
