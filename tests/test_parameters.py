@@ -472,3 +472,66 @@ def test_one_tensor_returned_twice_with_grad_is_one_output() -> None:
     (out["last"] * 2 + out["all"][1]).sum().backward()
     (want["last"] * 2 + want["all"][1]).sum().backward()
     torch.testing.assert_close(m.lin.weight.grad, ref.lin.weight.grad)
+
+
+def test_version_sum_in_c_follows_every_counter_and_skips_inference_tensors() -> None:
+    from opfuse.frontend import watch
+
+    plain = [torch.randn(3) for _ in range(5)]
+    with torch.inference_mode():
+        frozen = torch.randn(3)
+    summed = watch.VersionSum([*plain, frozen])
+    if watch._summer() is not None:  # where the helper builds, it is the one used
+        assert summed.fn is not None
+    start = summed()
+    assert start == sum(t._version for t in plain)
+    plain[2].add_(1)
+    plain[4].mul_(2)
+    assert summed() == start + 2
+    with torch.inference_mode():
+        frozen.add_(1)  # in place inside inference mode: untracked, as in torch
+    assert summed() == start + 2
+
+
+def _built_in_inference_mode() -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        mlp = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4)).eval()
+        conv = nn.Sequential(
+            nn.Conv2d(3, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.Flatten(),
+            nn.Linear(8 * 6 * 6, 10),
+            nn.LayerNorm(10),
+        ).eval()
+    return mlp, conv, torch.randn(2, 8), torch.randn(2, 3, 6, 6)
+
+
+@pytest.mark.parametrize("entry", ["compile", "torch.compile"])
+def test_a_model_built_under_inference_mode_compiles(entry: str) -> None:
+    # Its parameters are inference tensors: torch.export refused them outside inference
+    # mode and the parameter watch could not read their (missing) version counters, so
+    # opfuse fused nothing; under grad the replay for double backward raised.
+    mlp, conv, x, img = _built_in_inference_mode()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback on the way
+        for m, given in ((mlp, x), (conv, img)):
+            with torch.no_grad():
+                fast = (
+                    opfuse.compile(m, (given,))
+                    if entry == "compile"
+                    else torch.compile(m, backend="opfuse")
+                )
+                assert_matches_eager(m, fast(given), (given,))
+            with torch.inference_mode():
+                assert_matches_eager(m, fast(given), (given,))
+            if entry == "compile":
+                assert any(g.pattern.value != "fallback" for g in fast.report.groups)
+    if entry == "compile":
+        # with grad, as eager runs it (a linear saves no inference tensor for backward);
+        # torch.compile's AOTAutograd saves them and raises, under inductor too
+        fast = opfuse.compile(mlp, (x,))
+        assert_matches_eager(mlp, fast(x).detach(), (x,))

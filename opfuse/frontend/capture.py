@@ -122,9 +122,14 @@ def export_model(
     box: list[structure.Spec] = []
     CALLER_ONEDNN.set(torch._C._get_mkldnn_enabled())
 
+    # A model built under torch.inference_mode holds inference tensors, which export's
+    # fake copies may not mark requires_grad outside that mode: traced inside it.
+    inference = any(t.is_inference() for t in (*model.parameters(), *model.buffers()))
+
     def export() -> Any:
         module, given = wrapper(model, box), (tuple(args), kwargs or {})
-        return torch.export.export(module, *given, strict=False, dynamic_shapes=dynamic_shapes)
+        with torch.inference_mode() if inference else contextlib.nullcontext():
+            return torch.export.export(module, *given, strict=False, dynamic_shapes=dynamic_shapes)
 
     try:
         with warnings.catch_warnings():

@@ -69,10 +69,16 @@ class TensorMeta:
         )
 
 
+def version(t: torch.Tensor) -> int:
+    """t's version counter; 0 for an inference tensor (made under torch.inference_mode),
+    which has none: it can change in place only inside that mode, untracked."""
+    return 0 if t.is_inference() else t._version
+
+
 def contents(t: torch.Tensor) -> tuple[int, int, int]:
     """Which elements a tensor holds, now: its storage, address and version counter (a
     key for copies made from it: packed weights, folded BatchNorms)."""
-    return (t.untyped_storage()._cdata, t.data_ptr(), t._version)
+    return (t.untyped_storage()._cdata, t.data_ptr(), version(t))
 
 
 def device_type(device: str) -> str:
