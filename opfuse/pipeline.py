@@ -137,7 +137,7 @@ def _front(graph: Graph, opts: Options) -> _Front:
         part = partition(graph, kinds, why_not_lowered, Fuel(opts.fuel))
         check_partition(graph, part)
     with ctx.timed("lower"):
-        lowered = lower_groups(graph, part)
+        lowered = lower_groups(graph, part, checked=chosen == "triton")
     return _Front(graph, ctx, part, lowered, chosen, why, time.perf_counter() - t0)
 
 

@@ -89,11 +89,14 @@ class Lowered:
     notes: dict[int, list[str]] = field(default_factory=dict)  # why a candidate is missing
 
 
-def lower_groups(graph: Graph, part: Partition, threads: int | None = None) -> Lowered:
+def lower_groups(
+    graph: Graph, part: Partition, threads: int | None = None, checked: bool = False
+) -> Lowered:
+    """`checked`: the backend tests integer divisors in reductions (Triton)."""
     threads = threads or torch.get_num_threads()
     out = Lowered()
     for g in part.groups:
-        out.candidates[g.id], out.notes[g.id] = _candidates(graph, g, threads)
+        out.candidates[g.id], out.notes[g.id] = _candidates(graph, g, threads, checked)
         if not out.candidates[g.id] and g.pattern.generated:
             g.pattern, g.reason = Pattern.FALLBACK, "; ".join(out.notes[g.id])
     pair_depthwise_gemms(graph, part, out.candidates, threads)
@@ -128,11 +131,13 @@ def _blocked(
         notes.append(f"opfuse-gemm: {e}")
 
 
-def _candidates(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candidate], list[str]]:
+def _candidates(
+    graph: Graph, g: Group, threads: int, checked: bool
+) -> tuple[dict[str, Candidate], list[str]]:
     notes: list[str] = []
     if g.pattern.generated:
         try:
-            return {"kernel": lower_group(graph, g.nodes)}, notes
+            return {"kernel": lower_group(graph, g.nodes, checked)}, notes
         except NotFusable as e:  # the partitioner checked this; keep going regardless
             return {}, [f"could not be lowered: {e}"]
     if g.anchor is not None and g.anchor.op in ROW_CONVS:

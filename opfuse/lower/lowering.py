@@ -86,8 +86,11 @@ class _Lowering:
         members: Iterable[Node],
         domain: tuple[int, ...] | None = None,
         overrides: dict[Node, Any] | None = None,
+        checked: bool = False,
     ) -> None:
         self.g = graph
+        # the backend tests integer divisors in reductions too (Triton's launcher flag)
+        self.checked = checked
         self.members = set(members)
         # A fixed loop domain (a GEMM epilogue runs over the GEMM's [M, N]) and values
         # computed another way (the GEMM result, read from its block buffer).
@@ -387,10 +390,10 @@ class _Lowering:
     def run(self) -> Kernel:
         roots, out_buffers = self._roots()
         passes = self._passes(roots)
-        if self.checks and (self.dims or self.fixed_domain is not None):
-            # Only pointwise kernels test their divisors (render: err |= divisor == 0); a
-            # reduction's or a tile epilogue's would divide by zero without a word, where
-            # torch raises: such a group runs with torch.
+        if self.checks and (self.fixed_domain is not None or (self.dims and not self.checked)):
+            # A tile epilogue tests no divisor, nor does a C reduction (the C backend tests
+            # them in pointwise kernels only; Triton's reductions raise a flag): they would
+            # divide by zero without a word where torch raises. Such a group runs with torch.
             raise NotFusable(
                 "an integer division whose divisor may be 0 in a reduction or epilogue"
             )
@@ -634,9 +637,11 @@ def _count(n: int, dtype: torch.dtype) -> Expr:
     return const(n, dtype)
 
 
-def lower_group(graph: Graph, members: Iterable[Node]) -> Kernel:
-    """Lower one fused group; raises NotFusable with the reason when it cannot be."""
-    return _Lowering(graph, members).run()
+def lower_group(graph: Graph, members: Iterable[Node], checked: bool = False) -> Kernel:
+    """Lower one fused group; raises NotFusable with the reason when it cannot be.
+    `checked`: the backend tests integer divisors in reductions (else a reduction that
+    divides by a value that may be 0 is refused)."""
+    return _Lowering(graph, members, checked=checked).run()
 
 
 def why_not_lowered(graph: Graph, members: Iterable[Node]) -> str | None:
