@@ -95,12 +95,15 @@ def finalize(k: Kernel) -> Kernel:
     k2 = replace(k2, inplace=inplace_pairs(k2))
     k2 = unswitch(k2)
     if k2.cases:  # the cases run, the whole kernel is only their description
-        return replace(k2, cases=tuple(_finish(c) for c in k2.cases))
+        done = [_finish(c) for c in k2.cases]
+        return replace(k2, cases=tuple(x for c in done for x in (c.cases or (c,))))
     return _finish(k2)
 
 
 def _finish(k: Kernel) -> Kernel:
     k = tile_transposes(k, accesses(k))
+    if k.cases:  # tiled squares and the rest (tile.py)
+        return replace(k, cases=tuple(with_pieces(_variance_algorithm(c)) for c in k.cases))
     return with_pieces(_variance_algorithm(k))
 
 

@@ -15,7 +15,9 @@ from dataclasses import replace
 from functools import partial
 
 from ..ir.index import Ix, Var
+from ..ir.size import is_size
 from .kernel import Kernel, Schedule, map_indices
+from .unswitch import case
 
 TILE = 16  # floats per 64-byte line: one vector of stores, one line per load row
 MIN_INPUT_BYTES = 1 << 20  # smaller inputs stay in L2 untiled (measured: 96x128x64 is fine)
@@ -44,8 +46,33 @@ def tile_transposes(k: Kernel, accesses: list[tuple[str, Ix]]) -> Kernel:
     if best is None:
         return k
     row = best[1]
-    if vec.extent % TILE or row.extent % TILE or vec.extent < 2 * TILE or row.extent < 2 * TILE:
+    if vec.extent < 2 * TILE or row.extent < 2 * TILE:
         return k
+    if not (vec.extent % TILE or row.extent % TILE):
+        return _tiled(k, row, vec)
+    if is_size(vec.extent) or is_size(row.extent):
+        return k  # symbolic: one source for every size, whose remainders differ
+    # The whole squares tiled, the rows and columns past them as they were (ViT's
+    # [197, 768] -> [768, 197] per image: 0.60 -> 0.15 ms at batch 8); cases run in turn.
+    rm, vm = row.extent - row.extent % TILE, vec.extent - vec.extent % TILE
+    rows = case(k, row, 0, rm)
+    main = case(rows, _named(rows, vec), 0, vm)
+    cases = [_tiled(main, _named(main, row), _named(main, vec))]
+    if vm < vec.extent:
+        cases.append(case(rows, _named(rows, vec), vm, vec.extent))
+    if rm < row.extent:
+        cases.append(case(k, row, rm, row.extent))
+    cut = f"{row.name} x {vec.name} in squares of {TILE}, the rest untiled"
+    return replace(k, cases=tuple(cases), notes={**k.notes, "cases": cut})
+
+
+def _named(k: Kernel, v: Var) -> Var:
+    """k's outer variable named as v (a case's has its own extent)."""
+    return next(u for u in k.outer if u.name == v.name)
+
+
+def _tiled(k: Kernel, row: Var, vec: Var) -> Kernel:
+    """k walked in TILE x TILE squares of row and vec (both whole multiples of TILE)."""
     r_hi, r_lo = Var(f"{row.name}t", row.extent // TILE), Var(f"{row.name}u", TILE)
     v_hi, v_lo = Var(f"{vec.name}t", vec.extent // TILE), Var(f"{vec.name}u", TILE)
     env = {row: Ix.var(r_hi) * TILE + Ix.var(r_lo), vec: Ix.var(v_hi) * TILE + Ix.var(v_lo)}

@@ -39,7 +39,7 @@ def unswitch(k: Kernel) -> Kernel:
         if not cuts or len(cuts) + 1 > MAX_CASES:
             continue
         bounds = list(zip([0, *cuts], [*cuts, v.extent]))
-        cases = tuple(_case(k, v, lo, hi) for lo, hi in bounds)
+        cases = tuple(case(k, v, lo, hi) for lo, hi in bounds)
         # Worth it only where a case reads less than the whole kernel does.
         if any(_loads([e for p in c.passes for e in p.values]) < before for c in cases):
             sizes = " + ".join(str(hi - lo) for lo, hi in bounds)
@@ -51,7 +51,8 @@ def _loads(roots: list[Expr]) -> int:
     return len({e.value for e in walk(roots) if e.op == "load"})
 
 
-def _case(k: Kernel, v: Var, lo: int, hi: int) -> Kernel:
+def case(k: Kernel, v: Var, lo: int, hi: int) -> Kernel:
+    """k over iterations [lo, hi) of its outer variable v (as v from 0, tests decided)."""
     var = Var(v.name, hi - lo)
     env = {v: Ix.var(var) + lo}
     memo: dict[Expr, Expr] = {}
