@@ -80,11 +80,11 @@ def test_a_failing_kernel_stops_its_run_and_raises() -> None:
     arr = (ctypes.c_void_p * 1)(ctypes.addressof(counter))
     kernel = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_int)
     up, bad = kernel(count_up), kernel(fail)
-    (run,) = runs.find_runs([(0, up, arr), (1, up, arr), (2, bad, arr), (3, up, arr)])
+    (run,) = runs.find_runs([(up, arr), (up, arr), (bad, arr), (up, arr)])
     assert (run.first, run.n) == (0, 4)
     assert run.call(2) == 7 and counter.value == 2  # the kernel after the failing one: never
     # a step that may not join splits the runs; a lone kernel is called directly
-    found = runs.find_runs([(0, up, arr), None, (2, up, arr), (3, up, arr), None, (5, up, arr)])
+    found = runs.find_runs([(up, arr), None, (up, arr), (up, arr), None, (up, arr)])
     assert [(r.first, r.n) for r in found] == [(2, 2)]
 
     # in a compiled model: the run's middle kernel fails as an integer division by zero does

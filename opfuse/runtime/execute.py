@@ -320,7 +320,7 @@ class Runtime:
             r.first: r
             for r in find_runs(
                 [
-                    (si, s.fn, f.arrays[si])
+                    (s.fn, f.arrays[si])
                     if type(s) is KernelStep
                     and not s.tensors
                     and not f.dynamic[si]

@@ -86,18 +86,18 @@ def address(fn: Any) -> int | None:
     return ctypes.cast(fn, ctypes.c_void_p).value
 
 
-def find_runs(steps: Sequence[tuple[int, Any, Any] | None]) -> list[Run]:
-    """The runs among `steps`: per step, (index, kernel function, its argument array) where
-    it may join a run, else None."""
+def find_runs(steps: Sequence[tuple[Any, Any] | None]) -> list[Run]:
+    """The runs among a plan's `steps`: per step, (kernel function, its argument array)
+    where it may join a run, else None."""
     runner = _runner()
     if runner is None:
         return []
     runs: list[Run] = []
-    group: list[tuple[int, Any, Any]] = []
+    group: list[tuple[int, int, Any]] = []  # (step, kernel address, argument array)
 
     def close() -> None:
         if len(group) >= MIN_RUN:
-            fns = (ctypes.c_void_p * len(group))(*(address(fn) for _, fn, _ in group))
+            fns = (ctypes.c_void_p * len(group))(*(fn for _, fn, _ in group))
             ptrs = (ctypes.c_void_p * len(group))(
                 *(ctypes.cast(arr, ctypes.c_void_p).value for _, _, arr in group)
             )
@@ -105,10 +105,11 @@ def find_runs(steps: Sequence[tuple[int, Any, Any] | None]) -> list[Run]:
             runs.append(Run(group[0][0], len(group), fns, ptrs, arrays, runner))
         group.clear()
 
-    for s in steps:
-        if s is None or address(s[1]) is None or (group and s[0] != group[-1][0] + 1):
+    for si, s in enumerate(steps):
+        fn = None if s is None else address(s[0])
+        if s is None or fn is None:
             close()
-        if s is not None and address(s[1]) is not None:
-            group.append(s)
+        else:
+            group.append((si, fn, s[1]))
     close()
     return runs
