@@ -46,6 +46,9 @@ class Options:
     # depthwise kernel (rewrite/conv_rows.py); those over a few input channels (stems) as
     # its direct kernel; each timed against oneDNN's convolution
     conv_rows: bool = True
+    # 3x3, stride-1 convolutions over channels-last input also as rows for opfuse's Winograd
+    # kernel (backends/c/winograd.py), timed against oneDNN's convolution
+    winograd: bool = True
     freeze: bool = True  # parameters are constants (eval-mode opfuse.compile)
     # "channels-last": frozen conv graphs run NHWC between convolutions; "keep": as captured.
     layout: str = _env("OPFUSE_LAYOUT", _text("channels-last"))
@@ -73,6 +76,7 @@ class Options:
             ("fold_batchnorm", (True, False)),
             ("fuse_attention", (True, False)),
             ("conv_rows", (True, False)),
+            ("winograd", (True, False)),
             ("freeze", (True, False)),
             ("verify", (True, False)),
         ):

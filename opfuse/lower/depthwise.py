@@ -4,7 +4,9 @@ thread computes a tile of output pixels x all channels with opfuse's depthwise k
 tile while it is in cache -- the GEMM epilogue's scheme (epilogue.lower_blocked), with
 the convolution in place of the GEMM. A convolution over a few input channels
 (`conv_rows`) takes the same tiles with opfuse's direct kernel
-(backends/c/small_conv.py), reading its input in any layout."""
+(backends/c/small_conv.py), reading its input in any layout; a 3x3, stride-1 one over
+more channels takes tiles of whole output rows x a block of channels with opfuse's
+Winograd kernel (backends/c/winograd.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any
 
 from ..ir.graph import Graph, Node
 from ..ir.index import Ix
-from ..rewrite.conv_rows import DENSE, DEPTHWISE
+from ..rewrite.conv_rows import DENSE, DEPTHWISE, SMALL_CHANNELS
 from .epilogue import (
     _check_tile_local,
     _name,
@@ -32,6 +34,12 @@ TILE_FLOATS = 1 << 15
 MAX_TAPS = 49  # the kernel keeps a channel block's taps in registers: 7x7 at most
 # the candidate each row producer's direct kernel is (Options.implementation)
 IMPLEMENTATION = {DEPTHWISE: "opfuse-dw", DENSE: "opfuse-conv"}
+WINOGRAD = "opfuse-winograd"  # a one-group 3x3 convolution over more channels
+# Floats of transformed input (16 x 2x2 tiles x C) one Winograd task aims at: ~800 KB,
+# which with its outputs' transforms stays in L2 (ResNet-50's layers, 2 threads: tasks of
+# 7 row pairs at 56x56x64 ran 1.9x oneDNN's direct convolution, of 1 pair 1.5x).
+WINOGRAD_FLOATS = 16 * 12544
+WINOGRAD_BLOCK = 128  # output channels per task, at most (4 of the GEMM's panels)
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,18 @@ class Geometry:
 
 
 @dataclass(frozen=True)
+class WinogradTasks:
+    """How a Winograd kernel's work splits into tasks: bands of `band` output rows (even)
+    of one image x blocks of `block` output channels (a multiple of 32); `work`: floats of
+    work memory a task uses (backends/c/winograd.work_floats)."""
+
+    band: int
+    block: int
+    tasks: int
+    work: int
+
+
+@dataclass(frozen=True)
 class DepthwiseKernel:
     """Tiles of a depthwise convolution's rows, the epilogue applied to each in cache."""
 
@@ -73,6 +93,7 @@ class DepthwiseKernel:
     # a one-group convolution's (`conv_rows`) input strides (N, C, H, W), any layout; ()
     # for a depthwise one (dense NHWC input)
     x_strides: tuple[int, ...] = ()
+    winograd: WinogradTasks | None = None  # a 3x3 one's tasks, as Winograd's F(2x2, 3x3)
     notes: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
@@ -81,7 +102,7 @@ class DepthwiseKernel:
 
     @property
     def implementation(self) -> str:
-        return IMPLEMENTATION[self.ops[0]]
+        return WINOGRAD if self.winograd is not None else IMPLEMENTATION[self.ops[0]]
 
     @property
     def in_place(self) -> bool:
@@ -90,7 +111,7 @@ class DepthwiseKernel:
 
     @property
     def tile_n(self) -> int:
-        return self.oc
+        return self.winograd.block if self.winograd is not None else self.oc
 
     @property
     def rows(self) -> int:
@@ -99,11 +120,24 @@ class DepthwiseKernel:
 
     @property
     def slots(self) -> int:
+        if self.winograd is not None:
+            return tile_slots(self.winograd.tasks, self.threads)
         return tile_slots(-(-self.rows // self.tile_m), self.threads)
 
     @property
     def scratch_bytes(self) -> int:
-        return 4 * max(1, 0 if self.in_place else self.slots * self.tile_m * self.tile_n)
+        tiles = 0 if self.in_place else self.slots * self.tile_m * self.tile_n
+        work = self.slots * self.winograd.work if self.winograd is not None else 0
+        return 4 * max(1, tiles + work)
+
+
+def implementation_of(anchor: Node) -> str:
+    """The candidate name of a row producer's own kernel."""
+    x = anchor.args[0]
+    assert isinstance(x, Node)
+    if anchor.op == DENSE and x.tensor.shape[1] > SMALL_CHANNELS:
+        return WINOGRAD
+    return IMPLEMENTATION[anchor.op]
 
 
 def lower_depthwise(
@@ -132,6 +166,7 @@ def lower_depthwise(
     assert rows == n * oh * ow
     rows = n * oh * ow  # (an expression of the input's sizes where they are symbolic)
     epi = [m for m in members if m is not anchor]
+    tasks = _winograd(geo, oc, xm.stride, threads) if dense and c > SMALL_CHANNELS else None
 
     def value(low: _Lowering, idx: tuple[Ix, ...]) -> Any:
         return low._load(anchor, idx)
@@ -140,6 +175,8 @@ def lower_depthwise(
     buf = low.in_buffers[anchor].name
     _check_tile_local(kernel, buf)
     tm = even_tiles(rows, max(1, TILE_FLOATS // oc), threads)
+    if tasks is not None:
+        tm = tasks.band * ow
     k = DepthwiseKernel(
         name=_name(anchor, epi),
         ops=(anchor.op, *(m.op for m in epi)),
@@ -153,5 +190,32 @@ def lower_depthwise(
         threads=threads,
         oc=oc,
         x_strides=tuple(xm.stride) if dense else (),
+        winograd=tasks,
     )
-    return k if k.in_place else replace(k, epilogue=_read_tile_slot(kernel, buf, oc))
+    return k if k.in_place else replace(k, epilogue=_read_tile_slot(kernel, buf, k.tile_n))
+
+
+def _winograd(geo: Geometry, oc: int, x_stride: Sequence[int], threads: int) -> WinogradTasks:
+    """The tasks of a one-group convolution over more than a few channels, which only
+    opfuse's Winograd kernel computes: 3x3, stride 1, dense NHWC input, sizes known."""
+    g = geo
+    if (g.kh, g.kw, g.sh, g.sw, g.dh, g.dw) != (3, 3, 1, 1, 1, 1):
+        raise NotFusable("opfuse's Winograd kernel computes 3x3, stride-1 convolutions")
+    sizes = (g.n, g.h, g.w, g.c, g.oh, g.ow, oc, *x_stride)
+    if not all(type(v) is int for v in sizes):
+        raise NotFusable("opfuse's Winograd kernel takes sizes known at compile time")
+    nhwc = (g.h * g.w * g.c, 1, g.w * g.c, g.c)
+    if any(s != t for s, t, d in zip(x_stride, nhwc, (g.n, g.c, g.h, g.w)) if d > 1):
+        raise NotFusable("opfuse's Winograd kernel reads a dense NHWC input")
+    tw, pairs = -(-g.ow // 2), -(-g.oh // 2)
+    block = min(-(-oc // 32) * 32, WINOGRAD_BLOCK)
+    blocks = -(-oc // block)
+    bands = -(-pairs // max(1, WINOGRAD_FLOATS // (16 * g.c * tw)))
+    units = g.n * bands * blocks
+    if units % threads:  # more, shorter bands: whole rounds of the threads
+        bands = min(pairs, -(-(-(-units // threads) * threads) // (g.n * blocks)))
+    per = -(-pairs // bands)
+    tasks = g.n * -(-pairs // per) * blocks
+    # work memory (backends/c/winograd.py): a row of zeros, the 16 transformed inputs
+    # (tiles x C) and the 16 products (tiles x block)
+    return WinogradTasks(2 * per, block, tasks, g.c + 16 * per * tw * (g.c + block))

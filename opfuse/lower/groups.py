@@ -20,7 +20,7 @@ from ..fusion.groups import Group, Partition, Pattern
 from ..ir.graph import Graph, Node, bind
 from ..rewrite.conv_rows import ROW_CONVS, convolution_of
 from ..rewrite.layout import is_channels_last as channels_last
-from .depthwise import IMPLEMENTATION, DepthwiseKernel, lower_depthwise
+from .depthwise import DepthwiseKernel, implementation_of, lower_depthwise
 from .dw_gemm import DwGemmKernel, pair_depthwise_gemms
 from .epilogue import (
     GEMMS,
@@ -70,6 +70,7 @@ IMPLEMENTATIONS = (
     "opfuse-gemm",
     "opfuse-dw",
     "opfuse-conv",
+    "opfuse-winograd",
     "opfuse-dw-gemm",
     "opfuse-expand-dw-gemm",
     "onednn",
@@ -214,7 +215,7 @@ def _candidates(
 def _depthwise(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candidate], list[str]]:
     """A depthwise (or few-channel) convolution's rows (rewrite/conv_rows.py): torch's call
     (then the epilogue kernel), oneDNN's convolution with its post-ops, opfuse's direct
-    kernel ("opfuse-dw", "opfuse-conv")."""
+    kernel ("opfuse-dw", "opfuse-conv", "opfuse-winograd")."""
     a = g.anchor
     assert a is not None
     notes: list[str] = []
@@ -236,7 +237,7 @@ def _depthwise(graph: Graph, g: Group, threads: int) -> tuple[dict[str, Candidat
         k = lower_depthwise(graph, a, g.nodes, threads)
         cands[k.implementation] = k
     except NotFusable as e:
-        notes.append(f"{IMPLEMENTATION[a.op]}: {e}")
+        notes.append(f"{implementation_of(a)}: {e}")
     return cands, notes
 
 

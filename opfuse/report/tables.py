@@ -181,9 +181,12 @@ def notes(r: FusionReport) -> list[tuple[str, str]]:
     if r.conv_rows:
         pw = sum("1x1" in t for t in r.conv_rows)
         dw = sum("depthwise" in t for t in r.conv_rows)
-        few = len(r.conv_rows) - pw - dw  # over a few input channels (rewrite/conv_rows.py)
+        wg = sum("Winograd" in t for t in r.conv_rows)
+        # the rest: over a few input channels (rewrite/conv_rows.py)
+        few = len(r.conv_rows) - pw - dw - wg
         kinds = [f"{pw} 1x1 as matmuls"] if pw else []
         kinds += [f"{dw} depthwise"] if dw else []
+        kinds += [f"{wg} 3x3 for Winograd"] if wg else []
         kinds += [f"{few} over a few input channels"] if few else []
         out.append(
             (

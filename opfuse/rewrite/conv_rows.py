@@ -21,7 +21,8 @@ oneDNN's call through torch costs ~21 us before any work: opfuse's GEMM won on e
 layer of MobileNetV2 at batch 1 (1.05-2.2x alone), oneDNN on some of ResNet-50's and at
 batch 8. oneDNN's kernels vectorise over input channels too, which a 3-channel stem leaves
 mostly empty: opfuse's direct kernel (backends/c/small_conv.py) vectorises over output
-channels only.
+channels only. A 3x3, stride-1 convolution over more channels becomes rows too, for
+opfuse's Winograd kernel (backends/c/winograd.py: 4/9 of the direct products).
 
 Only float32 on the CPU, where opfuse's kernels run; other convolutions keep oneDNN.
 """
@@ -98,13 +99,16 @@ conv_rows = torch.library.custom_op("opfuse::conv_rows", mutates_args=())(_conv_
 conv_rows.register_fake(_conv_rows)
 
 
-def convs_as_rows(graph: Graph, devices: Sequence[str] = ("cpu",)) -> tuple[Graph, list[str]]:
-    """`graph` with each eligible 1x1 and depthwise convolution rewritten as rows on views;
-    one line per rewritten convolution for the report."""
+def convs_as_rows(
+    graph: Graph, devices: Sequence[str] = ("cpu",), winograd: bool = True
+) -> tuple[Graph, list[str]]:
+    """`graph` with each eligible 1x1, depthwise, few-channel and (`winograd`) 3x3 stride-1
+    convolution rewritten as rows on views; one line per rewritten convolution for the
+    report."""
     b = GraphBuilder().copy_from(graph)
     notes: list[str] = []
     for n in graph.nodes:
-        new = _rewrite(b, n, devices)
+        new = _rewrite(b, n, devices, winograd)
         if new is None:
             b.copy(n)
             continue
@@ -117,7 +121,9 @@ def convs_as_rows(graph: Graph, devices: Sequence[str] = ("cpu",)) -> tuple[Grap
     return b.build(graph.outputs), notes
 
 
-def _rewrite(b: GraphBuilder, n: Node, devices: Sequence[str]) -> tuple[Node, str] | None:
+def _rewrite(
+    b: GraphBuilder, n: Node, devices: Sequence[str], winograd: bool
+) -> tuple[Node, str] | None:
     if n.op != CONV or not isinstance(n.meta, TensorMeta):
         return None
     a = bind(n)
@@ -150,6 +156,18 @@ def _rewrite(b: GraphBuilder, n: Node, devices: Sequence[str]) -> tuple[Node, st
     )
     if not dense and not _rows_layout(xm):
         return None
+    # a 3x3, stride-1 one over more channels: Winograd's F(2x2, 3x3), 4/9 of the products
+    # (backends/c/winograd.py), NHWC input
+    winograd = (
+        winograd
+        and not dense
+        and a["groups"] == 1
+        and tuple(wm.shape[2:]) == (3, 3)
+        and all(s == 1 for s in a["stride"])
+        and all(d == 1 for d in a["dilation"])
+        and w.op == CONSTANT  # transformed and packed once
+    )
+    dense = dense or winograd
     pointwise = (
         a["groups"] == 1
         and tuple(wm.shape[2:]) == (1, 1)
@@ -214,6 +232,9 @@ def _rewrite(b: GraphBuilder, n: Node, devices: Sequence[str]) -> tuple[Node, st
         return y, "a 1x1 convolution, as a matmul over channels-last rows" + padded
     if depthwise:
         return y, "a depthwise convolution, as rows of its channels-last output" + padded
+    if winograd:
+        what = "a 3x3 convolution, as rows of its channels-last output (Winograd F(2x2, 3x3))"
+        return y, what + padded
     what = f"a convolution over {channels} input channels, as rows of its channels-last output"
     return y, what + padded
 

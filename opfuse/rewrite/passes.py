@@ -52,7 +52,7 @@ def convs_as_rows(graph: Graph, ctx: Context) -> Graph:
     # after the layout pass: only a channels-last input is a matrix of rows
     if not ctx.options.conv_rows:
         return graph
-    result = conv_rows.convs_as_rows(graph, ctx.devices)
+    result = conv_rows.convs_as_rows(graph, ctx.devices, ctx.options.winograd)
     return _noted(ctx, "convs_as_rows", result)
 
 

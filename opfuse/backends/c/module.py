@@ -46,6 +46,7 @@ from .gemm import (
 )
 from .render import render_module
 from .small_conv import OWN_SMALL_CONV, pack_dense
+from .winograd import OWN_WINOGRAD, pack_winograd, render_winograd
 
 
 def build_module(graph: Graph, lowered: Lowered) -> Module:
@@ -104,14 +105,21 @@ def build_modules(parts: Sequence[tuple[Graph, Lowered]]) -> list[Module]:
     regions of a graph with symbolic sizes compile together. A Module per graph."""
     named = [_name(lowered, f"g{i}_" if i else "") for i, (_, lowered) in enumerate(parts)]
     header = GEMM_TYPES if any(nm.gemms for nm in named) else ""
-    if any(k.own for nm in named for _, k, _ in nm.gemms) or any(nm.dw_gemms for nm in named):
+    winograd = any(d.winograd is not None for nm in named for _, d in nm.depthwise)
+    if (
+        any(k.own for nm in named for _, k, _ in nm.gemms)
+        or any(nm.dw_gemms for nm in named)
+        or winograd
+    ):
         header += OWN_GEMM
     if any(not d.dense for nm in named for _, d in nm.depthwise) or any(
         nm.dw_gemms for nm in named
     ):
         header += OWN_DEPTHWISE
-    if any(d.dense for nm in named for _, d in nm.depthwise):
+    if any(d.dense and d.winograd is None for nm in named for _, d in nm.depthwise):
         header += OWN_SMALL_CONV
+    if winograd:
+        header += OWN_WINOGRAD
     # Sizes printed as expressions first; should that source fail, as values (the form every
     # graph with static sizes takes).
     for symbolic in (True, False):
@@ -188,7 +196,9 @@ def _render(named: Sequence[_Named], symbolic: bool) -> tuple[dict[str, str], di
             )
         tiled: list[tuple[str, GemmKernel | DepthwiseKernel | DwGemmKernel, Callable[[], str]]]
         tiled = [(n, g, functools.partial(render_gemm, n, g, o)) for n, g, o in nm.gemms]
-        tiled += [(n, d, functools.partial(render_depthwise, n, d)) for n, d in nm.depthwise]
+        for n, d in nm.depthwise:
+            draw = render_depthwise if d.winograd is None else render_winograd
+            tiled.append((n, d, functools.partial(draw, n, d)))
         tiled += [
             (n, d, functools.partial(render_dw_gemm, n, d, own_layout(d.gemm)[1]))
             for n, d in nm.dw_gemms
@@ -330,6 +340,8 @@ def _filters(graph: Graph, k: DepthwiseKernel) -> torch.Tensor:
     weight = _const(graph, k.weight)
     bias = _const(graph, k.bias)
     assert weight is not None and (bias is not None or k.bias is None)
+    if k.winograd is not None:
+        return pack_winograd(weight, bias)
     return (pack_dense if k.dense else pack_filters)(weight, bias)
 
 
