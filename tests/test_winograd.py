@@ -106,6 +106,20 @@ def test_any_geometry_matches_eager(
     assert all(g.implementation.startswith("opfuse-winograd") for g in groups)
 
 
+def test_new_batch_sizes_share_the_winograd_kernel() -> None:
+    """opfuse.compile over batch sizes (one export with a symbolic batch): the tasks scale
+    with the batch, the image sizes stay constants."""
+    torch.manual_seed(6)
+    m = nn.Sequential(_Block(16, 24, 1, "relu", bias=True), nn.Conv2d(24, 8, 1)).eval()
+    fast = opfuse.compile(m, (torch.randn(2, 3, 12, 10),), options=WINOGRAD)
+    for b in (3, 5, 1):  # the second batch exports with a symbolic batch
+        xb = torch.randn(b, 3, 12, 10)
+        assert_matches_eager(m, fast(xb), (xb,))
+    entries = list(fast._entries.values())  # type: ignore[attr-defined]
+    assert len(entries) >= 2
+    assert all(_winograd_groups(e) for e in entries)
+
+
 def test_no_further_from_float64_than_eager() -> None:
     """B^T and A^T add and subtract, G halves: the sums over channels are the GEMM's
     (three levels), shorter chains than a direct convolution's 9 x C."""

@@ -197,13 +197,14 @@ def lower_depthwise(
 
 def _winograd(geo: Geometry, oc: int, x_stride: Sequence[int], threads: int) -> WinogradTasks:
     """The tasks of a one-group convolution over more than a few channels, which only
-    opfuse's Winograd kernel computes: 3x3, stride 1, dense NHWC input, sizes known."""
+    opfuse's Winograd kernel computes: 3x3, stride 1, dense NHWC input, every size but
+    the batch known at compile time (a symbolic batch multiplies the tasks)."""
     g = geo
     if (g.kh, g.kw, g.sh, g.sw, g.dh, g.dw) != (3, 3, 1, 1, 1, 1):
         raise NotFusable("opfuse's Winograd kernel computes 3x3, stride-1 convolutions")
-    sizes = (g.n, g.h, g.w, g.c, g.oh, g.ow, oc, *x_stride)
+    sizes = (g.h, g.w, g.c, g.oh, g.ow, oc, *x_stride[1:])
     if not all(type(v) is int for v in sizes):
-        raise NotFusable("opfuse's Winograd kernel takes sizes known at compile time")
+        raise NotFusable("opfuse's Winograd kernel takes image sizes known at compile time")
     nhwc = (g.h * g.w * g.c, 1, g.w * g.c, g.c)
     if any(s != t for s, t, d in zip(x_stride, nhwc, (g.n, g.c, g.h, g.w)) if d > 1):
         raise NotFusable("opfuse's Winograd kernel reads a dense NHWC input")
@@ -211,9 +212,12 @@ def _winograd(geo: Geometry, oc: int, x_stride: Sequence[int], threads: int) -> 
     block = min(-(-oc // 32) * 32, WINOGRAD_BLOCK)
     blocks = -(-oc // block)
     bands = -(-pairs // max(1, WINOGRAD_FLOATS // (16 * g.c * tw)))
-    units = g.n * bands * blocks
-    if units % threads:  # more, shorter bands: whole rounds of the threads
-        bands = min(pairs, -(-(-(-units // threads) * threads) // (g.n * blocks)))
+    # more, shorter bands for whole rounds of the threads: over the batch where it is
+    # known, else per image (the same tasks for every batch size)
+    images = g.n if type(g.n) is int else 1
+    units = images * bands * blocks
+    if units % threads:
+        bands = min(pairs, -(-(-(-units // threads) * threads) // (images * blocks)))
     per = -(-pairs // bands)
     tasks = g.n * -(-pairs // per) * blocks
     # work memory (backends/c/winograd.py): a row of zeros, the 16 transformed inputs
