@@ -293,6 +293,8 @@ def build_plan(graph: Graph, part: Partition, built: Mapping[int, Built]) -> Pla
                 # the epilogue's buffers are the arguments after A and B
                 pos = {buf.name: i + 2 for i, buf in enumerate(k.epilogue.buffers)}
                 step.inplace = [(pos[o], pos[i]) for o, i in k.epilogue.inplace]
+            elif isinstance(k, DepthwiseKernel) and isinstance(step, KernelStep):
+                kernels.append((step, k.epilogue, b, p.slot[a_node]))
         else:
             if b.anchor_call is not None:
                 p.call_step(b.anchor_call)
@@ -340,6 +342,7 @@ def _carry_bounds(
     its frozen weight's gain times its input's bound."""
     by_name = p.by_name
     constants: dict[str, str | None] = {}
+    carried: dict[int, tuple[set[int], set[int]]] = {}  # by step: its bounds' slots, reads
 
     def constant(name: str) -> str | None:
         if name not in constants:
@@ -353,8 +356,11 @@ def _carry_bounds(
         for buf in kernel.inputs:
             node = by_name[buf.value]
             if gemm is not None and buf.name == gemm.kernel.gemm_buffer:
-                g = _gemm_gain(gemm)
-                leaves[buf.name] = None if g is None else f"({g!r} * b[{a_slot}])"
+                g = _gemm_gain(gemm) if isinstance(gemm.kernel, GemmKernel) else None
+                if isinstance(gemm.kernel, DepthwiseKernel):
+                    leaves[buf.name] = _conv_bound(graph, gemm.kernel, a_slot)
+                else:
+                    leaves[buf.name] = None if g is None else f"({g!r} * b[{a_slot}])"
             elif node.op == CONSTANT:
                 leaves[buf.name] = constant(node.name)
             else:
@@ -365,10 +371,58 @@ def _carry_bounds(
         values = {buf.name: buf.value for buf in kernel.outputs}
         outs = {p.slot[by_name[values[name]]]: text for name, text in found.items()}
         reads = [int(i) for text in found.values() for i in _SLOT_REF.findall(text)]
+        carried[id(step)] = (set(outs), set(reads))
         step.bound = transfer(outs, reads)
+    _drop_unread_bounds(p.steps, carried)
+
+
+def _drop_unread_bounds(steps: list[Any], carried: dict[int, tuple[set[int], set[int]]]) -> None:
+    """Keep the bound functions of the kernel steps whose bounds reach a guarded call (a
+    chain of bounded steps and views may carry them there); drop the others. A kernel
+    step that carries bounds runs from Python rather than inside a run of kernels called
+    from C (runtime/runs.py): ConvNeXt-T's depthwise kernels, whose bounds no guard
+    reads, would otherwise all leave its runs."""
+    needed: set[int] = set()
+    for step in reversed(steps):
+        if isinstance(step, TorchStep):
+            if step.guard is not None:
+                needed.update(a.index for a in step.args[: 2 if step.guard.binary else 1])
+            elif step.view and isinstance(step.args[0], Slot) and step.output in needed:
+                needed.add(step.args[0].index)
+            continue
+        io = carried.get(id(step))
+        if io is None:
+            continue
+        outs, reads = io
+        if outs & needed:
+            needed |= reads
+        else:
+            step.bound = None
 
 
 _SLOT_REF = re.compile(r"b\[(\d+)\]")
+
+
+def _conv_bound(graph: Graph, k: DepthwiseKernel, x_slot: int) -> str | None:
+    """A bound of opfuse's own convolution's result (bias included: the depthwise, direct
+    and Winograd kernels add it), as source over its input's bound: the frozen filters'
+    gain times it, plus the bias's largest |value|. Winograd's transforms only add,
+    subtract and halve (LIMIT's margin covers them), and its tiles that come out inf or
+    NaN are summed again directly."""
+    w: Any = graph.constants.get(k.weight.name) if k.weight.op == CONSTANT else None
+    if w is None:
+        return None
+    g = getattr(w, "_opfuse_gain", None)
+    if g is None:
+        g = w._opfuse_gain = gain(w)  # (shared by the compiles at other sizes)
+    offset = 0.0
+    if k.bias is not None:
+        if k.bias.op != CONSTANT or k.bias.name not in graph.constants:
+            return None
+        offset = largest(graph.constants[k.bias.name])
+    if not (math.isfinite(g) and math.isfinite(offset)):
+        return None
+    return f"({g!r} * b[{x_slot}] + {offset!r})"
 
 
 def _gemm_gain(b: BuiltGemm) -> float | None:
