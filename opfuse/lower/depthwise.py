@@ -67,7 +67,7 @@ class Geometry:
 class WinogradTasks:
     """How a Winograd kernel's work splits into tasks: bands of `band` output rows (even)
     of one image x blocks of `block` output channels (a multiple of 32); `work`: floats of
-    work memory a task uses (backends/c/winograd.work_floats)."""
+    work memory a task uses (laid out in backends/c/winograd.py)."""
 
     band: int
     block: int
