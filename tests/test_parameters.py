@@ -158,6 +158,33 @@ def test_a_mode_changed_after_the_compile_is_followed(switch: str) -> None:
     assert fast._entries  # compiled again
 
 
+def test_the_modes_watched_are_those_a_forward_may_read() -> None:
+    """torch's convolutions, linears and activations compute the same in either mode: a
+    call checks the model's own mode and those of BatchNorm, dropout and the model's own
+    classes only; a convolution put in training mode alone keeps the compiled path."""
+    import warnings
+
+    m, x = _net()
+    d = _Dropped()
+    d.load_state_dict(m.state_dict())
+    d.scale = m.scale
+    d.eval()
+    fast = opfuse.compile(d, (x,))
+    watched = fast.__dict__["_submodules"]
+    assert watched == [d, d.bn, d.drop]
+    d.conv.train()
+    d.fc.train()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "training mode changed", no torch.compile
+        assert_matches_eager(d, fast(x), (x,))
+    from opfuse import pipeline
+
+    pipeline._warned.clear()
+    d.drop.train()
+    with pytest.warns(RuntimeWarning, match="training mode changed"):
+        fast(x)
+
+
 @pytest.mark.parametrize("how", ["p.data.mul_", "p.data = t"])
 def test_writes_that_bypass_version_counters_need_refresh(how: str) -> None:
     m, x = _net()
