@@ -292,11 +292,16 @@ class _Bottlenecks(nn.Module):
 
 def _gemm_between_onednn(monkeypatch: Any) -> None:
     """Every 1x1 convolution on opfuse's GEMM, every other on oneDNN (NHWC), untimed."""
+    _force(monkeypatch, ("opfuse-gemm", "onednn-nhwc", "onednn"))
+
+
+def _force(monkeypatch: Any, names: tuple[str, ...]) -> None:
+    """Each group runs the first of `names` it has as a candidate, untimed."""
     from opfuse import autotune
     from opfuse.decisions import Decision
 
     def choose(graph: Any, group: Any, candidates: Any, *rest: Any, **kw: Any) -> Decision:
-        for name in ("opfuse-gemm", "onednn-nhwc", "onednn"):
+        for name in names:
             if name in candidates:
                 return Decision(name, {})
         raise AssertionError(f"no candidate to force among {sorted(candidates)}")
@@ -349,17 +354,7 @@ class _WinogradBetween(nn.Module):
 def test_bounds_travel_through_opfuses_convolutions(monkeypatch: Any) -> None:
     # The second guarded call reads what opfuse's Winograd kernel made: its bound is the
     # filters' gain times its input's bound plus the bias's, so nothing is measured again.
-    from opfuse import autotune
-    from opfuse.decisions import Decision
-
-    def choose(graph: Any, group: Any, candidates: Any, *rest: Any, **kw: Any) -> Decision:
-        for name in ("opfuse-winograd", "onednn-nhwc", "onednn", "opfuse-gemm"):
-            if name in candidates:
-                return Decision(name, {})
-        raise AssertionError(f"no candidate to force among {sorted(candidates)}")
-
-    monkeypatch.setattr(autotune, "load_decision", lambda key: None)
-    monkeypatch.setattr(autotune, "choose", choose)
+    _force(monkeypatch, ("opfuse-winograd", "onednn-nhwc", "onednn", "opfuse-gemm"))
     torch.manual_seed(0)
     m = _WinogradBetween().eval()
     x = torch.randn(2, 8, 12, 12)

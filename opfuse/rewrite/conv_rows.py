@@ -108,7 +108,7 @@ def convs_as_rows(
     b = GraphBuilder().copy_from(graph)
     notes: list[str] = []
     for n in graph.nodes:
-        new = _rewrite(b, n, devices, winograd)
+        new = _rewrite(b, n, devices, allow_winograd=winograd)
         if new is None:
             b.copy(n)
             continue
@@ -122,7 +122,7 @@ def convs_as_rows(
 
 
 def _rewrite(
-    b: GraphBuilder, n: Node, devices: Sequence[str], winograd: bool
+    b: GraphBuilder, n: Node, devices: Sequence[str], allow_winograd: bool
 ) -> tuple[Node, str] | None:
     if n.op != CONV or not isinstance(n.meta, TensorMeta):
         return None
@@ -159,7 +159,7 @@ def _rewrite(
     # a 3x3, stride-1 one over more channels: Winograd's F(2x2, 3x3), 4/9 of the products
     # (backends/c/winograd.py), NHWC input
     winograd = (
-        winograd
+        allow_winograd
         and not dense
         and a["groups"] == 1
         and tuple(wm.shape[2:]) == (3, 3)

@@ -342,7 +342,8 @@ def _carry_bounds(
     its frozen weight's gain times its input's bound."""
     by_name = p.by_name
     constants: dict[str, str | None] = {}
-    carried: dict[int, tuple[set[int], set[int]]] = {}  # by step: its bounds' slots, reads
+    # by step: the source of each output slot's bound, and the slots it reads
+    carried: dict[int, tuple[dict[int, str], list[int]]] = {}
 
     def constant(name: str) -> str | None:
         if name not in constants:
@@ -356,10 +357,10 @@ def _carry_bounds(
         for buf in kernel.inputs:
             node = by_name[buf.value]
             if gemm is not None and buf.name == gemm.kernel.gemm_buffer:
-                g = _gemm_gain(gemm) if isinstance(gemm.kernel, GemmKernel) else None
                 if isinstance(gemm.kernel, DepthwiseKernel):
                     leaves[buf.name] = _conv_bound(graph, gemm.kernel, a_slot)
                 else:
+                    g = _gemm_gain(gemm)
                     leaves[buf.name] = None if g is None else f"({g!r} * b[{a_slot}])"
             elif node.op == CONSTANT:
                 leaves[buf.name] = constant(node.name)
@@ -371,17 +372,22 @@ def _carry_bounds(
         values = {buf.name: buf.value for buf in kernel.outputs}
         outs = {p.slot[by_name[values[name]]]: text for name, text in found.items()}
         reads = [int(i) for text in found.values() for i in _SLOT_REF.findall(text)]
-        carried[id(step)] = (set(outs), set(reads))
-        step.bound = transfer(outs, reads)
-    _drop_unread_bounds(p.steps, carried)
+        carried[id(step)] = (outs, reads)
+    kept = _read_by_guards(p.steps, carried)
+    for step, _, _, _ in kernels:
+        if id(step) in kept:
+            step.bound = transfer(*carried[id(step)])
 
 
-def _drop_unread_bounds(steps: list[Any], carried: dict[int, tuple[set[int], set[int]]]) -> None:
-    """Keep the bound functions of the kernel steps whose bounds reach a guarded call (a
-    chain of bounded steps and views may carry them there); drop the others. A kernel
-    step that carries bounds runs from Python rather than inside a run of kernels called
-    from C (runtime/runs.py): ConvNeXt-T's depthwise kernels, whose bounds no guard
-    reads, would otherwise all leave its runs."""
+def _read_by_guards(
+    steps: list[Any], carried: dict[int, tuple[dict[int, str], list[int]]]
+) -> set[int]:
+    """The kernel steps (by id) whose bounds reach a guarded call, through a chain of
+    bounded steps and views; only those get a bound function. A kernel step that carries
+    bounds runs from Python rather than inside a run of kernels called from C
+    (runtime/runs.py): ConvNeXt-T's depthwise kernels, whose bounds no guard reads,
+    would otherwise all leave its runs."""
+    kept: set[int] = set()
     needed: set[int] = set()
     for step in reversed(steps):
         if isinstance(step, TorchStep):
@@ -391,13 +397,10 @@ def _drop_unread_bounds(steps: list[Any], carried: dict[int, tuple[set[int], set
                 needed.add(step.args[0].index)
             continue
         io = carried.get(id(step))
-        if io is None:
-            continue
-        outs, reads = io
-        if outs & needed:
-            needed |= reads
-        else:
-            step.bound = None
+        if io is not None and needed.intersection(io[0]):
+            needed.update(io[1])
+            kept.add(id(step))
+    return kept
 
 
 _SLOT_REF = re.compile(r"b\[(\d+)\]")
