@@ -379,6 +379,26 @@ def test_circular_padding_is_concatenations_of_wrapped_slices(
     assert r.kernels_after <= len(pad) // 2 + 1
 
 
+def test_an_output_keeps_the_strides_eager_returns() -> None:
+    # The circular pad's concatenations keep a channels-last input's layout where torch's
+    # pad returns contiguous: the convolution after it (opfuse's Winograd kernel, over
+    # channels-last rows) then returned channels-last where eager returns contiguous.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(16, 16, 3, padding=1, padding_mode="circular"), torch.nn.ReLU()
+    ).eval()
+    x = torch.randn(2, 16, 8, 8).to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        ref = model(x)
+        compiled_model = opfuse.compile(model, (x,))
+        out = compiled_model(x)
+    assert out.stride() == ref.stride() == (1024, 64, 8, 1)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
+    # the copy to eager's layout is the store of the kernel that computes the output
+    groups = compiled_model.report.groups
+    assert not any(g.pattern == "fallback" and "clone" in " ".join(g.ops) for g in groups)
+
+
 def test_circular_padding_of_a_convolution_trains() -> None:
     torch.manual_seed(0)
     conv = torch.nn.Conv2d(3, 4, 3, padding=1, padding_mode="circular")

@@ -29,7 +29,7 @@ import torch.fx
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 
-from ..ir.graph import GETITEM, INPUT, STATIC, Graph, GraphBuilder, Source, TensorMeta
+from ..ir.graph import GETITEM, INPUT, STATIC, Graph, GraphBuilder, Node, Source, TensorMeta
 from . import sizes, structure
 from .decompose import (
     CALLER_ONEDNN,
@@ -100,6 +100,9 @@ class Exported:
     spec: structure.Spec  # the structure of the model's outputs
     eager_kernels: int  # compute ops eager runs (before decomposition)
     symbolic: bool = False  # some input sizes are symbols (dynamic_shapes)
+    # Per graph output: the strides eager returns it with (before decomposition), where
+    # static and dense; the captured graph copies an output whose decomposition changed them.
+    strides: tuple[tuple[int, ...] | None, ...] = ()
 
 
 def capture_module(
@@ -139,6 +142,7 @@ def export_model(
             warnings.filterwarnings("ignore", "The tensor attributes .* were assigned during")
             ep: Any = export()
             eager_kernels = count_eager_kernels(ep.graph_module)
+            strides = _output_strides(ep.graph_module)
             mode = symbolic_mode(ep.graph_module)
             learnt = shape_env_state(mode) if mode is not None else None
             gm = _decompose_functional(ep.graph_module)
@@ -159,7 +163,31 @@ def export_model(
         isinstance(v, torch.Tensor) and sizes.has_symbolic_sizes(v)
         for v in (n.meta.get("val") for n in ep.graph_module.graph.find_nodes(op="placeholder"))
     )
-    return Exported(ep, box[-1], eager_kernels, symbolic)
+    return Exported(ep, box[-1], eager_kernels, symbolic, strides)
+
+
+def _output_strides(gm: torch.fx.GraphModule) -> tuple[tuple[int, ...] | None, ...]:
+    """Per output of an exported graph, its strides where they are static and dense.
+
+    Decompositions may return another layout than the op eager runs (a circular pad's
+    concatenations keep a channels-last input's layout; torch's pad returns contiguous):
+    the caller must still get eager's."""
+    from torch._prims_common import is_non_overlapping_and_dense_or_false as dense_layout
+
+    out = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+    found: list[tuple[int, ...] | None] = []
+    for o in out if isinstance(out, (tuple, list)) else (out,):
+        v = o.meta.get("val") if isinstance(o, torch.fx.Node) else None
+        if (
+            isinstance(v, torch.Tensor)
+            and not sizes.has_symbolic_sizes(v)
+            and all(isinstance(s, int) for s in v.stride())
+            and dense_layout(v)
+        ):
+            found.append(tuple(v.stride()))
+        else:
+            found.append(None)
+    return tuple(found)
 
 
 class _Retraced:
@@ -233,9 +261,9 @@ def capture_exported(exported: Exported, args: Sequence[Any], kwargs: dict[str, 
         _check_asserts(gm, vals)
         symbols = [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
         binding = sizes.bind(symbols, values)
-        graph, _ = _convert(gm, placeholders, input_roles, vals, (), binding)
+        graph, _ = _convert(gm, placeholders, input_roles, vals, (), binding, exported.strides)
     else:
-        graph, _ = _convert(gm, placeholders, input_roles)
+        graph, _ = _convert(gm, placeholders, input_roles, strides=exported.strides)
     # Only what the graph reads can make a change matter (BatchNorm's num_batches_tracked
     # is no input of an eval graph: a sixth of MobileNetV2's tensors)
     used = {_place(c) for c in graph.constants.values() if isinstance(c, torch.Tensor)}
@@ -514,9 +542,11 @@ def _convert(
     vals: dict[torch.fx.Node, Any] | None = None,
     static: Collection[str] = (),
     binding: sizes.Binding | None = None,
+    strides: Sequence[tuple[int, ...] | None] = (),
 ) -> tuple[Graph, dict[torch.fx.Node, Any]]:
     """`binding`: the values of the graph's size symbols at this call (frontend/sizes.py),
-    which make its symbolic sizes Sizes."""
+    which make its symbolic sizes Sizes. `strides`: per output, eager's (or None), which
+    an output whose strides differ is copied to."""
     b = GraphBuilder()
     bound = binding or {}
 
@@ -581,11 +611,30 @@ def _convert(
         elif n.op == "output":
             outs = n.args[0]
             outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-            graph = b.build([env.get(o) if isinstance(o, torch.fx.Node) else o for o in outs])
+            results = [env.get(o) if isinstance(o, torch.fx.Node) else o for o in outs]
+            if len(strides) == len(results):
+                results = [_restride(b, r, s) for r, s in zip(results, strides)]
+            graph = b.build(results)
             return graph, env
         else:
             raise CaptureError(f"unsupported fx node {n.op} {n.target}")
     raise CaptureError("graph has no output")
+
+
+def _restride(b: GraphBuilder, x: Any, strides: tuple[int, ...] | None) -> Any:
+    """Output x, copied to `strides` (dense) where its own differ in a dim of more than one
+    element: permuted to their order, made contiguous, permuted back."""
+    m = x.meta if isinstance(x, Node) else None
+    if strides is None or not isinstance(m, TensorMeta) or len(strides) != len(m.shape):
+        return x
+    if all(n == 1 or int(a) == s for n, a, s in zip(m.shape, m.stride, strides)):
+        return x
+    order = sorted(range(len(strides)), key=lambda d: -strides[d])
+    back = sorted(range(len(order)), key=order.__getitem__)
+    same = order == back == list(range(len(order)))
+    y = x if same else b.call(aten.permute.default, x, order)
+    y = b.call(aten.clone.default, y, memory_format=torch.contiguous_format)
+    return y if same else b.call(aten.permute.default, y, back)
 
 
 def _is_tensor_op(n: torch.fx.Node) -> bool:
