@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import operator
 import threading
@@ -57,6 +58,20 @@ _MODELESS = frozenset(
     )
 )  # fmt: skip
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+@functools.cache
+def _modeless(cls: type[torch.nn.Module]) -> bool:
+    """Does a module of class `cls` compute the same in either mode? Its forward is one of
+    _MODELESS and no class of its own (outside torch.nn) overrides a method that forward
+    may call (a convolution's `_conv_forward` that reads `self.training`): it may only add
+    a constructor."""
+    return cls.forward in _MODELESS and not any(
+        callable(v) and k != "__init__"
+        for c in cls.__mro__
+        if c is not object and not c.__module__.startswith("torch.nn.")
+        for k, v in vars(c).items()
+    )
 
 
 def _autocast() -> tuple[Any, ...]:
@@ -278,9 +293,8 @@ class CompiledModule(torch.nn.Module):
         with the parameters the gradient path reads: a compile after a submodule was
         replaced watches the new one."""
         subs = list(model.modules())
-        self.__dict__["_submodules"] = subs[:1] + [
-            m for m in subs[1:] if type(m).forward not in _MODELESS
-        ]
+        modal = [m for m in subs[1:] if not _modeless(type(m))]  # type: ignore[arg-type]
+        self.__dict__["_submodules"] = subs[:1] + modal
         self.__dict__["_params"] = list(model.parameters())
         self._modes = list(map(_TRAINING, self.__dict__["_submodules"]))
 

@@ -185,6 +185,30 @@ def test_the_modes_watched_are_those_a_forward_may_read() -> None:
         fast(x)
 
 
+class _HalvedInTraining(torch.nn.Conv2d):
+    """A convolution of the model's own class that keeps torch's forward but overrides a
+    method it calls, which reads the mode."""
+
+    def _conv_forward(self, x, w, b):  # type: ignore[no-untyped-def]
+        return super()._conv_forward(x, w * 0.5 if self.training else w, b)
+
+
+def test_a_subclass_overriding_what_a_torch_forward_calls_has_its_mode_watched() -> None:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(_HalvedInTraining(3, 4, 3), torch.nn.ReLU()).eval()
+    x = torch.randn(1, 3, 8, 8)
+    fast = opfuse.compile(m, (x,))
+    assert m[0] in fast.__dict__["_submodules"]
+    assert m[1] not in fast.__dict__["_submodules"]
+    from opfuse import pipeline
+
+    pipeline._warned.clear()
+    m[0].train()
+    with pytest.warns(RuntimeWarning, match="training mode changed"):
+        out = fast(x)
+    assert_matches_eager(m, out, (x,))
+
+
 @pytest.mark.parametrize("how", ["p.data.mul_", "p.data = t"])
 def test_writes_that_bypass_version_counters_need_refresh(how: str) -> None:
     m, x = _net()
