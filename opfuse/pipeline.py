@@ -42,6 +42,7 @@ from .lower.lowering import why_not_lowered
 from .options import Options
 from .report.make import make_report
 from .report.tables import FoldReport, FusionReport, RejectReport
+from .rewrite import cleanup
 from .rewrite.passes import REWRITES
 from .runtime.execute import Runtime
 from .runtime.heap import collector_paused, release_freed_memory
@@ -168,9 +169,10 @@ def _back(f: _Front, module: Module, eager_kernels: int | None, t0: float) -> Co
 
 
 def rewrite(graph: Graph, ctx: Context) -> Graph:
+    given = cleanup.storages(graph)
     for p in REWRITES:
         graph = ctx.run(p, graph)
-    return graph
+    return cleanup.fresh_outputs(graph, given)
 
 
 def _from_context(report: FusionReport, ctx: Context) -> None:

@@ -299,6 +299,36 @@ def test_dropped_outputs_are_recycled_held_ones_never() -> None:
     torch.testing.assert_close(c, m(*args))
 
 
+class _FromWeights(torch.nn.Module):
+    """Outputs computed from the weights alone (folded at compile time), one returned twice,
+    and the weight itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        scaled = self.lin.weight * 2
+        return scaled, scaled, self.lin(x), self.lin.weight
+
+
+def test_an_output_folded_from_weights_is_fresh_at_every_call() -> None:
+    # it was the folded constant itself: a caller adding to one call's output changed
+    # what every later call returned
+    m = _FromWeights().eval()
+    x = torch.randn(3, 4)
+    fast = opfuse.compile(m, (x,))
+    with torch.no_grad():
+        first = fast(x)
+        first[0].add_(100.0)
+        again = fast(x)
+        want = m(x)
+    for out, ref in zip(again, want):
+        torch.testing.assert_close(out, ref)
+    assert again[0] is again[1]  # one tensor returned twice, as eager returns it
+    assert again[3].data_ptr() == m.lin.weight.data_ptr()  # the weight, as eager's
+
+
 def test_single_thread_and_thread_count_changes() -> None:
     m = Fn(lambda x: (x * 2).exp().sum(-1)).eval()
     x = torch.randn(256, 1024)

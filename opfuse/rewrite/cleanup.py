@@ -52,6 +52,36 @@ def fold_constants(graph: Graph, folded: list[str] | None = None) -> Graph:
     return b.build(graph.outputs)
 
 
+def storages(graph: Graph) -> frozenset[int]:
+    """The storages of a graph's constants (before folding: the model's own tensors)."""
+    return frozenset(t.untyped_storage().data_ptr() for t in graph.constants.values())
+
+
+def fresh_outputs(graph: Graph, given: frozenset[int]) -> Graph:
+    """Outputs that folding made constants, copied at every call: eager computes them anew
+    each call, and a caller that writes into one (`out += 1`) must not change what the
+    next call returns. A constant in one of the `given` storages (a parameter, or a view of
+    one) is returned as it is, as eager returns it."""
+    outs = [
+        o
+        if not isinstance(o, Node)
+        or o.op != CONSTANT
+        or graph.constants[o.name].untyped_storage().data_ptr() in given
+        else None
+        for o in graph.outputs
+    ]
+    if all(o is not None for o in outs):
+        return graph
+    b = GraphBuilder().copy_from(graph)
+    for n in graph.nodes:
+        b.copy(n)
+    copies: dict[Node, Node] = {}  # one copy of an output returned twice, as eager's
+    for o, g in zip(outs, graph.outputs):
+        if o is None and g not in copies:
+            copies[g] = b.call(torch.ops.aten.clone.default, b.get(g), source=g.source)
+    return b.build([copies.get(g, g) for g in graph.outputs])
+
+
 def _foldable(n: Node, b: GraphBuilder, values: dict[Node, torch.Tensor]) -> bool:
     if n.op == GETITEM or not all(b.get(i) in values for i in n.inputs()):
         return False
