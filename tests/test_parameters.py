@@ -83,6 +83,29 @@ def test_a_changed_parameter_reaches_every_path(change: str) -> None:
     torch.testing.assert_close(fast(xg), m(xg))
 
 
+SEQUENTIAL_CHANGES: dict[str, Callable[[nn.Sequential], Any]] = {
+    "an activation swapped": lambda m: m.__setitem__(1, nn.ReLU()),
+    "a layer deleted": lambda m: m.__delitem__(2),
+    "a layer appended": lambda m: m.append(nn.Tanh()),
+}
+
+
+@pytest.mark.parametrize("change", sorted(SEQUENTIAL_CHANGES))
+def test_a_changed_module_tree_is_followed(change: str) -> None:
+    # a submodule without tensors moves no frozen tensor: the GELU swapped for a ReLU
+    # kept computing GELU (0.67 off); a deletion moves no registration hook either
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.LayerNorm(16), nn.Linear(16, 16)).eval()
+    x = torch.randn(5, 8)
+    fast = opfuse.compile(m, (x,))
+    assert_matches_eager(m, fast(x), (x,))
+    SEQUENTIAL_CHANGES[change](m)
+    with pytest.warns(RuntimeWarning, match="since the model was compiled"):
+        out = fast(x)
+    assert_matches_eager(m, out, (x,))
+    assert fast._watch is not None and fast._watch.changed() is None
+
+
 def test_an_optimizer_step_reaches_every_path() -> None:
     m, x = _net()
     fast = opfuse.compile(m, (x,))

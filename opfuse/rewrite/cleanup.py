@@ -62,24 +62,21 @@ def fresh_outputs(graph: Graph, given: frozenset[int]) -> Graph:
     each call, and a caller that writes into one (`out += 1`) must not change what the
     next call returns. A constant in one of the `given` storages (a parameter, or a view of
     one) is returned as it is, as eager returns it."""
-    outs = [
+    folded = [
         o
-        if not isinstance(o, Node)
-        or o.op != CONSTANT
-        or graph.constants[o.name].untyped_storage().data_ptr() in given
-        else None
-        for o in graph.outputs
+        for o in dict.fromkeys(graph.outputs)
+        if isinstance(o, Node)
+        and o.op == CONSTANT
+        and graph.constants[o.name].untyped_storage().data_ptr() not in given
     ]
-    if all(o is not None for o in outs):
+    if not folded:
         return graph
     b = GraphBuilder().copy_from(graph)
     for n in graph.nodes:
         b.copy(n)
-    copies: dict[Node, Node] = {}  # one copy of an output returned twice, as eager's
-    for o, g in zip(outs, graph.outputs):
-        if o is None and g not in copies:
-            copies[g] = b.call(torch.ops.aten.clone.default, b.get(g), source=g.source)
-    return b.build([copies.get(g, g) for g in graph.outputs])
+    # one copy of an output returned twice, as eager returns one tensor twice
+    copies = {o: b.call(torch.ops.aten.clone.default, b.get(o), source=o.source) for o in folded}
+    return b.build([copies.get(o, o) if isinstance(o, Node) else o for o in graph.outputs])
 
 
 def _foldable(n: Node, b: GraphBuilder, values: dict[Node, torch.Tensor]) -> bool:
