@@ -37,7 +37,10 @@ typedef void (*opfuse_sgemm_t)(const char *, const char *, const int *, const in
 
 # opfuse's GEMM. A strip of up to 6 rows times a panel of 32 columns is summed in 12 vector
 # registers of 16 floats, and the partial sums of up to 8 such blocks in 12 more, so nothing
-# spills (8 rows, whose 32 registers spilled the partial sums, ran 15-30% slower). B comes
+# spills (8 rows, whose 32 registers spilled the partial sums, ran 15-30% slower). Without
+# AVX-512 the strip takes the panel in two passes of 16 columns, its 12 sums in 8-float
+# vectors: AVX2's 16 registers could not hold a pass of 32 columns, and gcc spilled every
+# sum (a Zen 2 core: 2.3 GF/s at 128x768x768, MKL 75, two passes 93). B comes
 # packed at compile time, panel by panel, K x 32 floats each (zero beyond the matrix): each
 # k reads two vectors of B and broadcasts 6 numbers of A. Products are summed in
 # three levels -- 32 k in registers, 8 such blocks, then those sums in order -- which keeps
@@ -58,41 +61,59 @@ OWN_GEMM = r"""
 #define OPFUSE_MR 6
 #define OPFUSE_PF_MIN 3
 #define OPFUSE_PF_MAX 48
-typedef float opfuse_v16 __attribute__((vector_size(64)));
+/* Vectors as wide as the machine's: AVX-512's 16 floats, else 8 (AVX2's, two NEON
+   registers), so that a pass of a strip keeps its 12 sums in registers: 32 columns a pass
+   with AVX-512, 16 without (two passes over a panel; 16 ymm registers hold no more). */
+#ifdef __AVX512F__
+#define OPFUSE_VW 16
+#else
+#define OPFUSE_VW 8
+#endif
+typedef float opfuse_vec __attribute__((vector_size(OPFUSE_VW * 4)));
+#if OPFUSE_VW == 8 && defined(__FMA__)
+#include <immintrin.h>
+/* the FMA spelt out: gcc, given a tile's sizes as constants, split some of the 8-wide
+   multiply-adds into a multiply and an add (rounded twice) despite fp-contract */
+#define OPFUSE_MADD(acc, s, b) \
+  ((acc) = (opfuse_vec)_mm256_fmadd_ps(_mm256_set1_ps(s), (__m256)(b), (__m256)(acc)))
+#else
+#define OPFUSE_MADD(acc, s, b) ((acc) += (s) * (b))
+#endif
 
-/* acc[i] += a[i, k] * B[k] over k in [k0, k1), for i < rows, over the panel's first
-   `halves` vectors of 16 columns: called with rows and halves constants, so that gcc
+/* acc[i] += a[i, k] * B[k] over k in [k0, k1), for i < rows, over `halves` vectors of
+   the panel's columns from bp on: called with rows and halves constants, so that gcc
    unrolls the rows and keeps acc in registers. */
 __attribute__((optimize("fp-contract=fast"), always_inline))
-static inline void opfuse_gemm_block(opfuse_v16 acc[OPFUSE_MR][2], const float *restrict a,
+static inline void opfuse_gemm_block(opfuse_vec acc[OPFUSE_MR][2], const float *restrict a,
                                      int64_t lda, const float *restrict bp, int64_t k0,
                                      int64_t k1, int rows, int halves) {
   for (int64_t k = k0; k < k1; k++) {
-    opfuse_v16 b0, b1 = {0};  /* memcpy: no alignment assumed of the packed buffer */
-    memcpy(&b0, bp + k * 32, 64);
-    if (halves == 2) memcpy(&b1, bp + k * 32 + 16, 64);
+    opfuse_vec b0, b1 = {0};  /* memcpy: no alignment assumed of the packed buffer */
+    memcpy(&b0, bp + k * 32, sizeof b0);
+    if (halves == 2) memcpy(&b1, bp + k * 32 + OPFUSE_VW, sizeof b1);
     #pragma GCC unroll 6
     for (int i = 0; i < rows; i++) {
       const float av = a[i * lda + k];
-      acc[i][0] += av * b0;
-      if (halves == 2) acc[i][1] += av * b1;
+      OPFUSE_MADD(acc[i][0], av, b0);
+      if (halves == 2) OPFUSE_MADD(acc[i][1], av, b1);
     }
   }
 }
 
-/* One strip: c[rows x w] = a[rows x K] @ the panel. Always inlined, and called with rows
-   the constant OPFUSE_MR for full strips: gcc then unrolls every row loop, keeps the sums
-   in registers and zeroes them without calls (a variable row count left them in memory,
-   cleared by memset calls on every block of 32 k: a third of the strip's time at K=64).
-   `halves` (a constant too): 1 where w <= 16, whose other 16 columns would be zeros.
-   Before each block of 32 k it asks pf_step lines from pf on into L2 (0: none). */
+/* One pass of a strip: c[rows x w] = a[rows x K] @ the 2 * OPFUSE_VW columns of the panel
+   from bp on (w of them stored). Always inlined, and called with rows the constant
+   OPFUSE_MR for full strips: gcc then unrolls every row loop, keeps the sums in registers
+   and zeroes them without calls (a variable row count left them in memory, cleared by
+   memset calls on every block of 32 k: a third of the strip's time at K=64). `halves` (a
+   constant too): 1 where w <= OPFUSE_VW, whose other columns would be zeros. Before each
+   block of 32 k it asks pf_step lines from pf on into L2 (0: none). */
 __attribute__((optimize("fp-contract=fast"), always_inline))
-static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
-                                     const float *restrict bp, float *restrict c,
-                                     int64_t ldc, int rows, int w, int64_t K, int halves,
-                                     const float *pf, int pf_step) {
-  opfuse_v16 s[OPFUSE_MR][2], mid[OPFUSE_MR][2], acc[OPFUSE_MR][2];
-  const opfuse_v16 zero = {0};
+static inline void opfuse_gemm_pass(const float *restrict a, int64_t lda,
+                                    const float *restrict bp, float *restrict c,
+                                    int64_t ldc, int rows, int w, int64_t K, int halves,
+                                    const float *pf, int pf_step) {
+  opfuse_vec s[OPFUSE_MR][2], mid[OPFUSE_MR][2], acc[OPFUSE_MR][2];
+  const opfuse_vec zero = {0};
   #pragma GCC unroll 6
   for (int i = 0; i < OPFUSE_MR; i++) s[i][0] = s[i][1] = mid[i][0] = mid[i][1] = zero;
   if (K <= 32) {
@@ -124,16 +145,33 @@ static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
   }
   #pragma GCC unroll 6
   for (int i = 0; i < rows; i++) {
-    if (w == 16 * halves) {
-      memcpy(c + i * ldc, &s[i][0], 64);
-      if (halves == 2) memcpy(c + i * ldc + 16, &s[i][1], 64);
+    if (w == OPFUSE_VW * halves) {
+      memcpy(c + i * ldc, &s[i][0], sizeof s[i][0]);
+      if (halves == 2) memcpy(c + i * ldc + OPFUSE_VW, &s[i][1], sizeof s[i][1]);
     } else {
-      float t[32];
-      memcpy(t, &s[i][0], 64);
-      if (halves == 2) memcpy(t + 16, &s[i][1], 64);
+      float t[2 * OPFUSE_VW];
+      memcpy(t, &s[i][0], sizeof s[i][0]);
+      if (halves == 2) memcpy(t + OPFUSE_VW, &s[i][1], sizeof s[i][1]);
       for (int j = 0; j < w; j++) c[i * ldc + j] = t[j];
     }
   }
+}
+
+/* One strip over a panel: c[rows x w] = a[rows x K] @ the panel's w columns; `halves`: 1
+   where w <= 16. One pass where vectors hold 16 floats, else a pass per 16 columns (both
+   of 2 vectors: a panel's columns past w are zeros). The sums of each output are taken
+   in the same order either way. */
+__attribute__((optimize("fp-contract=fast"), always_inline))
+static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
+                                     const float *restrict bp, float *restrict c,
+                                     int64_t ldc, int rows, int w, int64_t K, int halves,
+                                     const float *pf, int pf_step) {
+#if OPFUSE_VW == 16
+  opfuse_gemm_pass(a, lda, bp, c, ldc, rows, w, K, halves, pf, pf_step);
+#else
+  opfuse_gemm_pass(a, lda, bp, c, ldc, rows, w < 16 ? w : 16, K, 2, pf, pf_step);
+  if (halves == 2) opfuse_gemm_pass(a, lda, bp + 16, c + 16, ldc, rows, w - 16, K, 2, pf, 0);
+#endif
 }
 
 /* c[mm x w] = a[mm x K] @ one panel, strip by strip; halves as for the strip. */
