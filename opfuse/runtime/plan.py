@@ -485,7 +485,10 @@ def _plan_memory(graph: Graph, p: _Planner) -> tuple[list[int], list[tuple[int, 
     for n in p.ready:
         base = alias_of.get(n, n)
         if base not in escapes and base in last_read:
-            frees[last_read[base]].append(p.slot[n])
+            # a view lets go at its own last read (its base's memory stays while the base
+            # is read): a library call may then write over a base no view still holds
+            own = max(p.readers[n]) if n is not base and p.readers.get(n) else None
+            frees[own if own is not None else last_read[base]].append(p.slot[n])
     sizes: list[int] = []
     free_at: list[int] = []  # step after which each block is free
     block_of: dict[Node, int] = {}
@@ -611,8 +614,9 @@ def _donatable(
     last_read: dict[Node, int],
 ) -> bool:
     """May a library call write its result over its argument `step.donate`? Only over a
-    torch result that no view shares, dead after this step, read by no other argument here,
-    laid out exactly as the result. The runtime still checks that nothing else holds it."""
+    torch result no view of which is read from this step on, dead after this step, read by
+    no other argument here, laid out exactly as the result. The runtime still checks that
+    nothing else holds it."""
     assert step.donate is not None
     slot = step.args[step.donate]
     assert isinstance(slot, Slot)
@@ -621,7 +625,7 @@ def _donatable(
     return (
         node in p.torch_made
         and node not in alias_of
-        and not aliases.get(node)
+        and all(max(p.readers.get(v) or [si]) < si for v in aliases.get(node, ()))
         and node not in escapes
         and last_read.get(node) == si
         and sum(a == slot for a in step.args) == 1
