@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from opfuse.backends.c import build
 from opfuse.bench import models
 from opfuse.ir.size import Size, gcd, symbolic_text, value_at
-from tests.conftest import count_compiler_runs
+from tests.conftest import caches_of_the_reference_host, count_compiler_runs
 
 OPS = [operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod]
 
@@ -160,12 +160,7 @@ def test_an_encoder_over_lengths_builds_once(monkeypatch: pytest.MonkeyPatch) ->
         mask[0, s // 2 :] = 0
         return torch.randint(0, 300, (1, s), generator=g), mask
 
-    # Tiling regimes follow the caches (opfuse's GEMM splits rows where A passes L1: at
-    # 86 rows on a 32 KiB L1, a second build from length 100 on): the caches of the host
-    # the lengths were chosen on, so that all lengths fall in one regime.
-    from opfuse.tools import caches
-
-    monkeypatch.setattr(caches, "_levels", lambda: {1: 48 << 10, 2: 1 << 20, 3: 32 << 20})
+    caches_of_the_reference_host(monkeypatch)  # all lengths in one tiling regime
     runs = count_compiler_runs(monkeypatch)
     torch._dynamo.reset()
     f = torch.compile(model, backend="opfuse", dynamic=True, options={"cache_limit": 64})
