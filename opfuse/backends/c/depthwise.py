@@ -113,7 +113,9 @@ static inline void opfuse_dw_tile(const float *restrict x, int64_t xs, int64_t r
                   SH, SW, PH, PW, DH, DW)
       int64_t ow = ow0;
       for (; ow < ow1 && ow < lo; ow++) OPFUSE_DW(1, 1);
+#ifdef __AVX512F__ /* 8 pixels' sums in 8 registers; AVX2's 16 hold 4 pixels' (2 each) */
       for (; ow + 8 <= ow1 && ow + 7 <= hi; ow += 8) OPFUSE_DW(8, 0);
+#endif
       for (; ow + 4 <= ow1 && ow + 3 <= hi; ow += 4) OPFUSE_DW(4, 0);
       for (; ow < ow1 && ow <= hi; ow++) OPFUSE_DW(1, 0);
       for (; ow < ow1; ow++) OPFUSE_DW(1, 1);
