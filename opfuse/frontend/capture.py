@@ -630,11 +630,11 @@ def _restride(b: GraphBuilder, x: Any, strides: tuple[int, ...] | None) -> Any:
     if all(n == 1 or int(a) == s for n, a, s in zip(m.shape, m.stride, strides)):
         return x
     order = sorted(range(len(strides)), key=lambda d: -strides[d])
-    back = sorted(range(len(order)), key=order.__getitem__)
-    same = order == back == list(range(len(order)))
-    y = x if same else b.call(aten.permute.default, x, order)
+    if order == list(range(len(order))):  # eager's layout is the contiguous one
+        return b.call(aten.clone.default, x, memory_format=torch.contiguous_format)
+    y = b.call(aten.permute.default, x, order)
     y = b.call(aten.clone.default, y, memory_format=torch.contiguous_format)
-    return y if same else b.call(aten.permute.default, y, back)
+    return b.call(aten.permute.default, y, sorted(range(len(order)), key=order.__getitem__))
 
 
 def _is_tensor_op(n: torch.fx.Node) -> bool:

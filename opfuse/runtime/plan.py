@@ -487,7 +487,7 @@ def _plan_memory(graph: Graph, p: _Planner) -> tuple[list[int], list[tuple[int, 
         if base not in escapes and base in last_read:
             # a view lets go at its own last read (its base's memory stays while the base
             # is read): a library call may then write over a base no view still holds
-            own = max(p.readers[n]) if n is not base and p.readers.get(n) else None
+            own = _own_last_read(p, n) if n is not base else None
             frees[own if own is not None else last_read[base]].append(p.slot[n])
     sizes: list[int] = []
     free_at: list[int] = []  # step after which each block is free
@@ -625,7 +625,7 @@ def _donatable(
     return (
         node in p.torch_made
         and node not in alias_of
-        and all(max(p.readers.get(v) or [si]) < si for v in aliases.get(node, ()))
+        and all(_read_before(p, v, si) for v in aliases.get(node, ()))
         and node not in escapes
         and last_read.get(node) == si
         and sum(a == slot for a in step.args) == 1
@@ -634,6 +634,19 @@ def _donatable(
         and (node.meta.shape, node.meta.stride, node.meta.dtype)
         == (out.meta.shape, out.meta.stride, out.meta.dtype)
     )
+
+
+def _own_last_read(p: _Planner, n: Node) -> int | None:
+    """The last step that reads n itself (not another view of its base); None: none does."""
+    reads = p.readers.get(n)
+    return max(reads) if reads else None
+
+
+def _read_before(p: _Planner, n: Node, si: int) -> bool:
+    """Is n read, and by steps before `si` only? (A view read by none is held until its
+    base's last read.)"""
+    last = _own_last_read(p, n)
+    return last is not None and last < si
 
 
 def _same_order(a: TensorMeta, b: TensorMeta) -> bool:
