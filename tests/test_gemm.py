@@ -92,7 +92,9 @@ def test_a_b_the_graph_computes_is_packed_by_the_kernel(
         assert_matches_eager(model, fast(*a), a)
 
 
-@pytest.mark.parametrize("m,k,n", [(64, 1536, 96), (7, 4000, 33), (128, 768, 3072)])
+@pytest.mark.parametrize(
+    "m,k,n", [(64, 1536, 96), (7, 4000, 33), (128, 768, 3072), (9, 1300, 70), (2, 2100, 40)]
+)
 def test_no_further_from_float64_than_eager(m: int, k: int, n: int) -> None:
     """Long sums: three levels of partial sums keep every chain short."""
     torch.manual_seed(0)
@@ -142,12 +144,25 @@ def _documented_sum(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("m,k,n", [(7, 300, 33), (1, 70, 5), (4, 40, 40), (20, 300, 70)])
+@pytest.mark.parametrize(
+    "m,k,n",
+    [
+        (7, 300, 33),
+        (1, 70, 5),
+        (4, 40, 40),
+        (20, 300, 70),
+        (8, 1100, 24),
+        (3, 600, 20),
+        (13, 530, 9),
+    ],
+)
 def test_sums_follow_the_documented_order_bit_for_bit(m: int, k: int, n: int) -> None:
-    """Full strips of 6 rows, the last rows (a count of their own), a panel's spare
-    columns, strips that ask the next panel into cache: each result equals the documented
-    order exactly. (It did not when gcc split the FMA into a multiply and an add in a
-    function the strips were inlined into.)"""
+    """Full strips of 6 rows, the last rows (a count of their own; up to 3 of them in one
+    pass over a panel), a panel's spare columns, strips that ask the next panel into cache,
+    few strips over a long K taken 512 k at a time (the sums kept in the output between
+    ranges, the last range shorter than a block): each result equals the documented order
+    exactly. (It did not when gcc split the FMA into a multiply and an add in a function
+    the strips were inlined into.)"""
     torch.manual_seed(k)
     w, x = torch.randn(k, n), torch.randn(m, k)
     fast = _compiled(Fn(lambda t: t @ w), x)
@@ -358,3 +373,30 @@ def test_sizes_compiled_apart_share_one_packed_weight(monkeypatch: Any) -> None:
                     assert_matches_eager(m, f(x), (x,))
             assert packed == [(64, 96)], packed
     torch._dynamo.reset()
+
+
+def test_the_few_rows_long_k_path_is_compiled_only_where_a_tile_may_take_it(
+    monkeypatch: Any,
+) -> None:
+    """A small batch over a long K compiles the ranges (OPFUSE_GEMM_RANGES); 128 rows do
+    not (0.75 s of gcc for BERT-base), nor does a K of at most OPFUSE_KC."""
+    from opfuse.backends.c import gemm, module
+
+    for name, value in (("OPFUSE_KC", gemm.OWN_KC), ("OPFUSE_MR", gemm.OWN_MR)):
+        assert f"#define {name} {value}" in gemm.OWN_GEMM
+    headers: list[str] = []
+    real = module.build
+
+    def spy(pieces: Any, header: str = "") -> Any:
+        headers.append(header)
+        return real(pieces, header)
+
+    monkeypatch.setattr(module, "build", spy)
+    torch.manual_seed(0)
+    for rows, k, want in ((8, 1024, True), (128, 1024, False), (8, 512, False)):
+        headers.clear()
+        lin, x = nn.Linear(k, 40), torch.randn(rows, k)
+        fast = _compiled(lin, x)
+        assert any("opfuse_gemm_tile" in h for h in headers)
+        assert any(gemm.GEMM_RANGES in h for h in headers) is want, (rows, k)
+        assert_matches_eager(lin, fast(x), (x,))

@@ -15,13 +15,18 @@ import contextlib
 import ctypes
 import functools
 import gc
+import sys
 from collections.abc import Iterator
+
+import torch
 
 # glibc's mallopt parameters (malloc.h)
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 << 20  # glibc's ceiling for it on 64-bit systems
 TRIM_THRESHOLD = 1 << 30
+HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
+_MADV_HUGEPAGE = 14  # Linux's madvise advice (asm-generic/mman-common.h)
 
 
 @functools.lru_cache(maxsize=1)
@@ -73,3 +78,21 @@ def collector_paused() -> Iterator[None]:
         yield
     finally:
         gc.enable()
+
+
+def weight_buffer(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """An empty buffer for a packed weight, on huge pages where Linux gives them on request
+    (transparent huge pages in `madvise` mode, the common default). The pages are advised
+    before the packing touches them; elsewhere, or below two huge pages, a plain
+    torch.empty."""
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    libc = _libc()
+    if libc is None or not sys.platform.startswith("linux") or nbytes < 2 * HUGE_PAGE:
+        return torch.empty(numel, dtype=dtype)
+    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    addr = raw.data_ptr()
+    skip = -addr % HUGE_PAGE
+    span = (nbytes + HUGE_PAGE - skip) // HUGE_PAGE * HUGE_PAGE
+    with contextlib.suppress(OSError, AttributeError):
+        libc.madvise(ctypes.c_void_p(addr + skip), ctypes.c_size_t(span), _MADV_HUGEPAGE)
+    return raw[skip : skip + nbytes].view(dtype)

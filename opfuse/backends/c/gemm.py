@@ -21,8 +21,10 @@ from typing import Any
 
 import torch
 
+from ...ir.size import is_size
 from ...lower.epilogue import OWN_PANEL, TILE_COL, TILE_ROW, GemmKernel
 from ...lower.kernel import Kernel
+from ...runtime.heap import weight_buffer
 from .emit import STORAGE, Emitter, emit_stores
 
 ROW_MAJOR, NO_TRANS, TRANS, PACKED, B_MATRIX = 101, 111, 112, 151, 162
@@ -52,7 +54,8 @@ typedef void (*opfuse_sgemm_t)(const char *, const char *, const int *, const in
 # slower than on one). A tile of OPFUSE_PF_MIN..OPFUSE_PF_MAX full strips asks the next
 # panel into L2 while it computes the current one, each strip its share, a few lines before
 # each block of 32 k (all of a strip's share at its start was slower than none). Fewer
-# strips (a matrix of few rows: memory-bound either way) or more (the panel's wait spread
+# strips (a matrix of few rows: asking its next range of k into L2 was no faster at
+# 8x4096x4096) or more (the panel's wait spread
 # over them; prefetching made ResNet-50 b8 and ViT-B/16 b8 1-2% slower) ask nothing, nor do
 # the fused depthwise blocks (their weights stay in cache from band to band; MobileNetV2 b1
 # 1.01x slower) and a B the kernel packs itself.
@@ -61,13 +64,17 @@ OWN_GEMM = r"""
 #define OPFUSE_MR 6
 #define OPFUSE_PF_MIN 3
 #define OPFUSE_PF_MAX 48
+#define OPFUSE_KC 512  /* k per range of a panel of few strips: a multiple of 8 blocks of 32 */
 /* Vectors as wide as the machine's: AVX-512's 16 floats, else 8 (AVX2's, two NEON
    registers), so that a pass of a strip keeps its 12 sums in registers: 32 columns a pass
-   with AVX-512, 16 without (two passes over a panel; 16 ymm registers hold no more). */
+   with AVX-512, 16 without (two passes over a panel; 16 ymm registers hold no more), or
+   all 32 (4 vectors) for a strip of at most 3 rows. */
 #ifdef __AVX512F__
 #define OPFUSE_VW 16
+#define OPFUSE_NV 2
 #else
 #define OPFUSE_VW 8
+#define OPFUSE_NV 4
 #endif
 typedef float opfuse_vec __attribute__((vector_size(OPFUSE_VW * 4)));
 #if OPFUSE_VW == 8 && defined(__FMA__)
@@ -157,22 +164,170 @@ static inline void opfuse_gemm_pass(const float *restrict a, int64_t lda,
   }
 }
 
+/* opfuse_gemm_block for up to OPFUSE_NV vectors (nv of them) */
+__attribute__((optimize("fp-contract=fast"), always_inline))
+static inline void opfuse_gemm_block_nv(opfuse_vec acc[OPFUSE_MR][OPFUSE_NV],
+                                        const float *restrict a, int64_t lda,
+                                        const float *restrict bp, int64_t k0, int64_t k1,
+                                        int rows, int nv) {
+  for (int64_t k = k0; k < k1; k++) {
+    opfuse_vec b[OPFUSE_NV];
+    #pragma GCC unroll 4
+    for (int v = 0; v < nv; v++) memcpy(&b[v], bp + k * 32 + v * OPFUSE_VW, sizeof b[v]);
+    #pragma GCC unroll 6
+    for (int i = 0; i < rows; i++) {
+      const float av = a[i * lda + k];
+      #pragma GCC unroll 4
+      for (int v = 0; v < nv; v++) OPFUSE_MADD(acc[i][v], av, b[v]);
+    }
+  }
+}
+
+/* A pass as above over k in [kb, ke) only, of up to 4 vectors (OPFUSE_NV without AVX-512)
+   for a strip of at most 3 rows: its sums start from c's where `load` (a later range of
+   K), from zero else. Ranges start at multiples of 8 blocks of 32 k, so the sums are
+   taken in the same order as in one pass over K. A function of its own: the loads of c
+   and a fourth vector, in the pass above, made the strips of many rows slower (128x768x768
+   on a Zen 2: 1.4-1.8x the time). */
+__attribute__((optimize("fp-contract=fast"), always_inline))
+static inline void opfuse_gemm_range(const float *restrict a, int64_t lda,
+                                     const float *restrict bp, float *restrict c,
+                                     int64_t ldc, int rows, int w, int64_t kb, int64_t ke,
+                                     int load, int nv) {
+  opfuse_vec s[OPFUSE_MR][OPFUSE_NV], mid[OPFUSE_MR][OPFUSE_NV], acc[OPFUSE_MR][OPFUSE_NV];
+  const opfuse_vec zero = {0};
+  #pragma GCC unroll 6
+  for (int i = 0; i < OPFUSE_MR; i++)
+    #pragma GCC unroll 4
+    for (int v = 0; v < nv; v++) s[i][v] = mid[i][v] = zero;
+  if (load) {
+    #pragma GCC unroll 6
+    for (int i = 0; i < rows; i++) {
+      float t[OPFUSE_NV * OPFUSE_VW] = {0};
+      for (int j = 0; j < w; j++) t[j] = c[i * ldc + j];
+      #pragma GCC unroll 4
+      for (int v = 0; v < nv; v++) memcpy(&s[i][v], t + v * OPFUSE_VW, sizeof zero);
+    }
+  }
+  for (int64_t k0 = kb; k0 < ke; k0 += 32) {
+    const int64_t k1 = k0 + 32 < ke ? k0 + 32 : ke;
+    #pragma GCC unroll 6
+    for (int i = 0; i < OPFUSE_MR; i++)
+      #pragma GCC unroll 4
+      for (int v = 0; v < nv; v++) acc[i][v] = zero;
+    opfuse_gemm_block_nv(acc, a, lda, bp, k0, k1, rows, nv);
+    #pragma GCC unroll 6
+    for (int i = 0; i < OPFUSE_MR; i++)
+      #pragma GCC unroll 4
+      for (int v = 0; v < nv; v++) mid[i][v] += acc[i][v];
+    if ((k0 / 32) % 8 == 7 || k1 == ke) {
+      #pragma GCC unroll 6
+      for (int i = 0; i < OPFUSE_MR; i++)
+        #pragma GCC unroll 4
+        for (int v = 0; v < nv; v++) {
+          s[i][v] += mid[i][v];
+          mid[i][v] = zero;
+        }
+    }
+  }
+  #pragma GCC unroll 6
+  for (int i = 0; i < rows; i++) {
+    if (w == OPFUSE_VW * nv) {
+      #pragma GCC unroll 4
+      for (int v = 0; v < nv; v++) memcpy(c + i * ldc + v * OPFUSE_VW, &s[i][v], sizeof zero);
+    } else {
+      float t[OPFUSE_NV * OPFUSE_VW];
+      #pragma GCC unroll 4
+      for (int v = 0; v < nv; v++) memcpy(t + v * OPFUSE_VW, &s[i][v], sizeof zero);
+      for (int j = 0; j < w; j++) c[i * ldc + j] = t[j];
+    }
+  }
+}
+
 /* One strip over a panel: c[rows x w] = a[rows x K] @ the panel's w columns; `halves`: 1
    where w <= 16. One pass where vectors hold 16 floats, else a pass per 16 columns (both
-   of 2 vectors: a panel's columns past w are zeros). The sums of each output are taken
-   in the same order either way. */
+   of 2 vectors: a panel's columns past w are zeros), or for at most 3 rows one range of 4
+   vectors. `ranged` (a constant): k in [kb, ke) only, the sums from c's where `load`
+   (opfuse_gemm_range); else all of K = ke. The sums of each output are taken in the same
+   order every way. */
 __attribute__((optimize("fp-contract=fast"), always_inline))
 static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
                                      const float *restrict bp, float *restrict c,
-                                     int64_t ldc, int rows, int w, int64_t K, int halves,
-                                     const float *pf, int pf_step) {
+                                     int64_t ldc, int rows, int w, int ranged, int64_t kb,
+                                     int64_t ke, int load, int halves, const float *pf,
+                                     int pf_step) {
 #if OPFUSE_VW == 16
-  opfuse_gemm_pass(a, lda, bp, c, ldc, rows, w, K, halves, pf, pf_step);
+  if (ranged)
+    opfuse_gemm_range(a, lda, bp, c, ldc, rows, w, kb, ke, load, halves);
+  else
+    opfuse_gemm_pass(a, lda, bp, c, ldc, rows, w, ke, halves, pf, pf_step);
 #else
-  opfuse_gemm_pass(a, lda, bp, c, ldc, rows, w < 16 ? w : 16, K, 2, pf, pf_step);
-  if (halves == 2) opfuse_gemm_pass(a, lda, bp + 16, c + 16, ldc, rows, w - 16, K, 2, pf, 0);
+  if (rows <= 3 && halves == 2) {
+    /* each sum waits on the FMA before it: two passes of few sums waited twice as long
+       (8x1024x512 on a Zen 2: the strip of 2 rows cost 0.6 of the strip of 6, one range
+       of 4 vectors 0.35) */
+    opfuse_gemm_range(a, lda, bp, c, ldc, rows, w, kb, ke, load, 4);
+  } else if (ranged) {
+    opfuse_gemm_range(a, lda, bp, c, ldc, rows, w < 16 ? w : 16, kb, ke, load, 2);
+    if (halves == 2) opfuse_gemm_range(a, lda, bp + 16, c + 16, ldc, rows, w - 16, kb, ke, load, 2);
+  } else {
+    opfuse_gemm_pass(a, lda, bp, c, ldc, rows, w < 16 ? w : 16, ke, 2, pf, pf_step);
+    if (halves == 2) opfuse_gemm_pass(a, lda, bp + 16, c + 16, ldc, rows, w - 16, ke, 2, pf, 0);
+  }
 #endif
 }
+
+/* The strips of rows i0 .. mm over one panel, as opfuse_gemm_strip: full strips, then the
+   last rows, each count a constant of its own (registers, as for full strips). */
+#define OPFUSE_ROWS(i0, ranged, kb, ke, load)                                              \
+  do {                                                                                   \
+    int i_ = (i0);                                                                       \
+    for (; i_ + OPFUSE_MR <= mm; i_ += OPFUSE_MR)                                        \
+      opfuse_gemm_strip(a + i_ * lda, lda, panel, c + i_ * ldc, ldc, OPFUSE_MR, w, ranged, \
+                        kb, ke, load, halves, panel, 0);                                 \
+    const float *restrict at_ = a + i_ * lda;                                            \
+    float *restrict ct_ = c + i_ * ldc;                                                  \
+    switch (mm - i_) {                                                                   \
+      case 1: OPFUSE_TAIL(1, ranged, kb, ke, load); break;                               \
+      case 2: OPFUSE_TAIL(2, ranged, kb, ke, load); break;                               \
+      case 3: OPFUSE_TAIL(3, ranged, kb, ke, load); break;                               \
+      case 4: OPFUSE_TAIL(4, ranged, kb, ke, load); break;                               \
+      case 5: OPFUSE_TAIL(5, ranged, kb, ke, load); break;                               \
+      default: break;                                                                    \
+    }                                                                                    \
+  } while (0)
+#define OPFUSE_TAIL(r, ranged, kb, ke, load) \
+  opfuse_gemm_strip(at_, lda, panel, ct_, ldc, r, w, ranged, kb, ke, load, halves, panel, 0)
+
+/* A panel of few strips over a long K (a linear at a small batch: 8x4096 @ 4096x4096),
+   OPFUSE_KC k at a time, every strip over each range, the sums kept in c between ranges:
+   whole, the panel (512 KiB at K = 4096) left L2 before the next strip or pass came back
+   to it, which read it from L3 (8x4096x4096 on a Zen 2, two threads: 5.86 ms whole, 5.55
+   in ranges). */
+__attribute__((optimize("fp-contract=fast"), always_inline))
+static inline void opfuse_gemm_ranges(const float *restrict a, int64_t lda,
+                                      const float *restrict panel, float *restrict c,
+                                      int64_t ldc, int mm, int w, int64_t K, int halves) {
+  /* one loop, `load` and the range's end run-time values: the first range's constant
+     end had gcc unroll its blocks whole, 1.6x the time of 2x1024x512 */
+  for (int64_t kb = 0; kb < K; kb += OPFUSE_KC) {
+    const int64_t ke = kb + OPFUSE_KC < K ? kb + OPFUSE_KC : K;
+    OPFUSE_ROWS(0, 1, kb, ke, kb > 0);
+  }
+}
+
+#ifdef OPFUSE_GEMM_RANGES
+/* Out of line, for full panels only (a last panel of at most 16 columns takes K whole):
+   inlined into the tile, these strips made the tile's other strips slower (64x512x512 on
+   a Zen 2: 1.6x the time). Compiled only where a tile may need it (OPFUSE_GEMM_RANGES,
+   gemm_ranges below): 0.75 s of gcc. */
+__attribute__((optimize("fp-contract=fast"), noinline))
+static void opfuse_gemm_ranges_2(const float *restrict a, int64_t lda,
+                                 const float *restrict panel, float *restrict c, int64_t ldc,
+                                 int mm, int w, int64_t K) {
+  opfuse_gemm_ranges(a, lda, panel, c, ldc, mm, w, K, 2);
+}
+#endif
 
 /* c[mm x w] = a[mm x K] @ one panel, strip by strip; halves as for the strip. */
 __attribute__((optimize("fp-contract=fast"), always_inline))
@@ -182,33 +337,27 @@ static inline void opfuse_gemm_panel(const float *restrict a, int64_t lda,
                                      const float *next) {
   int i0 = 0;
   const int strips = mm / OPFUSE_MR;
+#ifdef OPFUSE_GEMM_RANGES
+  if (K > OPFUSE_KC && strips < OPFUSE_PF_MIN && halves == 2) {
+    opfuse_gemm_ranges_2(a, lda, panel, c, ldc, mm, w, K);
+    return;
+  }
+#endif
   if (next && strips >= OPFUSE_PF_MIN && strips <= OPFUSE_PF_MAX) {
     /* each full strip asks its share of the next panel's lines (2 K) into L2, a few
        before each block of 32 k */
     const int64_t share = (2 * K + strips - 1) / strips, blocks = (K + 31) / 32;
     const int step = (int)((share + blocks - 1) / blocks);
     for (; i0 + OPFUSE_MR <= mm; i0 += OPFUSE_MR)
-      opfuse_gemm_strip(a + i0 * lda, lda, panel, c + i0 * ldc, ldc, OPFUSE_MR, w, K, halves,
-                        next + (i0 / OPFUSE_MR) * share * 16, step);
-  } else {
-    /* a loop of its own: strips called with the constant step 0 compile without the
-       prefetch (a run-time step in every strip made large-M GEMMs 2-5% slower) */
-    for (; i0 + OPFUSE_MR <= mm; i0 += OPFUSE_MR)
-      opfuse_gemm_strip(a + i0 * lda, lda, panel, c + i0 * ldc, ldc, OPFUSE_MR, w, K, halves,
-                        panel, 0);
+      opfuse_gemm_strip(a + i0 * lda, lda, panel, c + i0 * ldc, ldc, OPFUSE_MR, w, 0, 0, K, 0,
+                        halves, next + (i0 / OPFUSE_MR) * share * 16, step);
   }
-  /* the last rows, each count a constant of its own (registers, as for full strips) */
-  const float *restrict at = a + i0 * lda;
-  float *restrict ct = c + i0 * ldc;
-  switch (mm - i0) {
-    case 1: opfuse_gemm_strip(at, lda, panel, ct, ldc, 1, w, K, halves, panel, 0); break;
-    case 2: opfuse_gemm_strip(at, lda, panel, ct, ldc, 2, w, K, halves, panel, 0); break;
-    case 3: opfuse_gemm_strip(at, lda, panel, ct, ldc, 3, w, K, halves, panel, 0); break;
-    case 4: opfuse_gemm_strip(at, lda, panel, ct, ldc, 4, w, K, halves, panel, 0); break;
-    case 5: opfuse_gemm_strip(at, lda, panel, ct, ldc, 5, w, K, halves, panel, 0); break;
-    default: break;
-  }
+  /* the rest in a loop of its own: strips called with the constant step 0 compile
+     without the prefetch (a run-time step in every strip made large-M GEMMs 2-5% slower) */
+  OPFUSE_ROWS(i0, 0, 0, K, 0);
 }
+#undef OPFUSE_ROWS
+#undef OPFUSE_TAIL
 
 /* B[k, j] (at b + k*sk + j*sn) for j < nn packed into panels of 32 columns, K x 32 each,
    zero beyond nn: a B the graph computes (attention's K and V), packed per tile and call. */
@@ -248,6 +397,23 @@ static void opfuse_gemm_tile(const float *restrict a, int64_t lda, const float *
   }
 }
 """
+
+
+OWN_KC, OWN_MR, OWN_PF_MIN = 512, 6, 3  # OPFUSE_KC, OPFUSE_MR, OPFUSE_PF_MIN above
+GEMM_RANGES = "#define OPFUSE_GEMM_RANGES\n"
+
+
+def gemm_ranges(k: GemmKernel) -> bool:
+    """May a tile of k have fewer than OPFUSE_PF_MIN strips over a K longer than
+    OPFUSE_KC (then its module compiles opfuse_gemm_ranges_2)? Rows that are sizes
+    (symbolic) may be any number."""
+    spec = k.spec
+    if not k.own or spec.k <= OWN_KC:
+        return False
+    if is_size(spec.m) or is_size(k.tile_m):
+        return True
+    last = spec.m - (-(-spec.m // k.tile_m) - 1) * k.tile_m
+    return min(k.tile_m, last) < OWN_PF_MIN * OWN_MR
 
 
 @dataclass(frozen=True)
@@ -343,7 +509,7 @@ def pack_weight(
     spec = k.spec
     # empty, not zeros: MKL reports a generous size (megabytes even for a small tile) and
     # writes only what it uses; untouched pages never become resident.
-    buf = torch.empty(total, dtype=torch.float32)
+    buf = weight_buffer(total)
     base = weight.data_ptr()
     elt = weight.element_size()
     for n0, off in zip(range(0, spec.n, k.tile_n), offsets):
@@ -411,7 +577,7 @@ class OwnPack:
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
         strides = (1, self.ld) if self.trans else (self.ld, 1)
         b = weight.as_strided((self.k, self.n), strides, weight.storage_offset())
-        buf = torch.empty(self.total, dtype=torch.float32)
+        buf = weight_buffer(self.total)
         for n0, off in zip(range(0, self.n, self.tile_n), self.offsets):
             nn = min(self.tile_n, self.n - n0)
             full, rest = divmod(nn, OWN_NR)

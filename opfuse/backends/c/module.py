@@ -34,11 +34,13 @@ from ..base import Make, Module, Unavailable
 from .build import BuildError, Library, build
 from .depthwise import OWN_DEPTHWISE, pack_filters, render_depthwise, render_dw_gemm
 from .gemm import (
+    GEMM_RANGES,
     GEMM_TYPES,
     OWN_GEMM,
     OwnPack,
     blas,
     can_pack,
+    gemm_ranges,
     own_layout,
     pack_layout,
     pack_weight,
@@ -111,6 +113,8 @@ def build_modules(parts: Sequence[tuple[Graph, Lowered]]) -> list[Module]:
         or any(nm.dw_gemms for nm in named)
         or winograd
     ):
+        if any(gemm_ranges(k) for nm in named for _, k, _ in nm.gemms):
+            header += GEMM_RANGES
         header += OWN_GEMM
     if any(not d.dense for nm in named for _, d in nm.depthwise) or any(
         nm.dw_gemms for nm in named

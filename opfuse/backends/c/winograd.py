@@ -27,6 +27,7 @@ import torch
 
 from ...lower.depthwise import DepthwiseKernel
 from ...lower.epilogue import TILE_COL, TILE_ROW
+from ...runtime.heap import weight_buffer
 from .gemm import tile_buffers, tile_epilogue
 
 # The transforms of F(2x2, 3x3) (Lavin and Gray): filters by G, inputs by B^T, outputs by A^T.
@@ -169,7 +170,8 @@ def pack_winograd(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tens
     b = torch.zeros(ocp, dtype=torch.float32)
     if bias is not None:
         b[:oc] = bias.reshape(-1).float()
-    return torch.cat([panels.reshape(-1), b, weight.float().reshape(-1)]).contiguous()
+    parts = [panels.reshape(-1), b, weight.float().reshape(-1)]
+    return torch.cat(parts, out=weight_buffer(sum(p.numel() for p in parts)))
 
 
 def render_winograd(name: str, k: DepthwiseKernel) -> str:
