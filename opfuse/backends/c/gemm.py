@@ -55,8 +55,8 @@ typedef void (*opfuse_sgemm_t)(const char *, const char *, const int *, const in
 # panel into L2 while it computes the current one, each strip its share, a few lines before
 # each block of 32 k (all of a strip's share at its start was slower than none). Fewer
 # strips (a matrix of few rows: asking its next range of k into L2 was no faster at
-# 8x4096x4096) or more (the panel's wait spread
-# over them; prefetching made ResNet-50 b8 and ViT-B/16 b8 1-2% slower) ask nothing, nor do
+# 8x4096x4096) or more (the panel's wait spread over them; prefetching made ResNet-50 b8
+# and ViT-B/16 b8 1-2% slower) ask nothing, nor do
 # the fused depthwise blocks (their weights stay in cache from band to band; MobileNetV2 b1
 # 1.01x slower) and a B the kernel packs itself.
 OWN_NR = OWN_PANEL
@@ -507,9 +507,10 @@ def pack_weight(
     one packed block per column tile at the offsets pack_layout gave."""
     _, pack = _pack_fns()
     spec = k.spec
-    # empty, not zeros: MKL reports a generous size (megabytes even for a small tile) and
-    # writes only what it uses; untouched pages never become resident.
-    buf = weight_buffer(total)
+    # empty, not zeros, and not on huge pages: MKL reports a generous size (megabytes even
+    # for a small tile) and writes only what it uses; untouched pages never become
+    # resident (a huge page would, whole, under each tile's block).
+    buf = torch.empty(total, dtype=torch.float32)
     base = weight.data_ptr()
     elt = weight.element_size()
     for n0, off in zip(range(0, spec.n, k.tile_n), offsets):
