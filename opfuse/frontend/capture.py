@@ -15,9 +15,12 @@ kept whole so that `rewrite.fold_batchnorm` can fold it into the conv before it.
 from __future__ import annotations
 
 import contextlib
+import io
+import logging
 import operator
 import os
 import re
+import sys
 import warnings
 import weakref
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -113,6 +116,56 @@ def capture_module(
     return capture_exported(export_model(_Flat, model, args, kwargs), args, kwargs)
 
 
+# Where torch.export meets data-dependent control flow it logs a warning here and prints
+# the partial graph to stderr (30 lines for a 3-op model, twice) before raising what
+# opfuse reports in one warning.
+_EXPORT_LOGGERS = ("torch.fx.experimental.symbolic_shapes",)
+
+
+@contextlib.contextmanager
+def _quiet(names: Sequence[str]) -> Iterator[None]:
+    """torch's loggers `names` at ERROR, and stderr held, for the block: what was written
+    there goes out after it, less the partial graphs of a failed export."""
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    held = io.StringIO()
+    failed: BaseException | None = None
+    try:
+        with contextlib.redirect_stderr(held):
+            yield
+    except BaseException as e:
+        failed = e
+        raise
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)
+        text = held.getvalue()
+        graph = getattr(failed, "partial_fx_graph", None)
+        if graph is not None:
+            text = text.replace(f"{graph}\n", "")
+        if text.strip():
+            sys.stderr.write(text)
+
+
+def _short(e: BaseException) -> str:
+    """An export error in a line or two: its first line, and the model's line that raised it
+    where torch names it (its message goes on with debugging advice for torch.export)."""
+    lines = str(e).splitlines()
+    first = lines[0] if lines else type(e).__name__
+    marker = "The following call raised this error:"
+    if marker in lines:
+        at = []
+        for ln in lines[lines.index(marker) + 1 : lines.index(marker) + 3]:
+            if not ln.strip():
+                break
+            at.append(ln.strip())
+        if at:
+            return f"{first} ({' '.join(at)})"
+    return first
+
+
 def export_model(
     wrapper: Callable[[torch.nn.Module, list[structure.Spec]], torch.nn.Module],
     model: torch.nn.Module,
@@ -135,7 +188,7 @@ def export_model(
             return torch.export.export(module, *given, strict=False, dynamic_shapes=dynamic_shapes)
 
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), _quiet(_EXPORT_LOGGERS):
             # torch.export's internals raise deprecation warnings users cannot act on, and
             # warn that nn.RNN modules refresh their weight list while traced.
             warnings.simplefilter("ignore", FutureWarning)
@@ -157,7 +210,7 @@ def export_model(
                 ep = _Retraced(ep, gm)
     except Exception as e:  # export fails for many reasons; callers fall back to dynamo
         raise CaptureError(
-            f"torch.export could not trace the model: {type(e).__name__}: {e}"
+            f"torch.export could not trace the model: {type(e).__name__}: {_short(e)}"
         ) from e
     symbolic = any(
         isinstance(v, torch.Tensor) and sizes.has_symbolic_sizes(v)
