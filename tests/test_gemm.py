@@ -378,11 +378,15 @@ def test_sizes_compiled_apart_share_one_packed_weight(monkeypatch: Any) -> None:
 def test_the_few_rows_long_k_path_is_compiled_only_where_a_tile_may_take_it(
     monkeypatch: Any,
 ) -> None:
-    """A small batch over a long K compiles the ranges (OPFUSE_GEMM_RANGES); 128 rows do
-    not (0.75 s of gcc for BERT-base), nor does a K of at most OPFUSE_KC."""
+    """A small batch over a long K compiles the ranges (OPFUSE_GEMM_RANGES: 0.75 s of
+    gcc); 128 rows (BERT-base's tiles) do not, nor does a K of at most OPFUSE_KC."""
     from opfuse.backends.c import gemm, module
 
-    for name, value in (("OPFUSE_KC", gemm.OWN_KC), ("OPFUSE_MR", gemm.OWN_MR)):
+    for name, value in (
+        ("OPFUSE_KC", gemm.OWN_KC),
+        ("OPFUSE_MR", gemm.OWN_MR),
+        ("OPFUSE_PF_MIN", gemm.OWN_PF_MIN),
+    ):
         assert f"#define {name} {value}" in gemm.OWN_GEMM
     headers: list[str] = []
     real = module.build

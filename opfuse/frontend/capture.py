@@ -156,8 +156,9 @@ def _short(e: BaseException) -> str:
     first = lines[0] if lines else type(e).__name__
     marker = "The following call raised this error:"
     if marker in lines:
+        i = lines.index(marker)
         at = []
-        for ln in lines[lines.index(marker) + 1 : lines.index(marker) + 3]:
+        for ln in lines[i + 1 : i + 3]:
             if not ln.strip():
                 break
             at.append(ln.strip())

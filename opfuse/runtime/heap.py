@@ -85,7 +85,7 @@ def weight_buffer(numel: int, dtype: torch.dtype = torch.float32) -> torch.Tenso
     (transparent huge pages in `madvise` mode, the common default). The pages are advised
     before the packing touches them; elsewhere, or below two huge pages, a plain
     torch.empty."""
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     libc = _libc()
     if libc is None or not sys.platform.startswith("linux") or nbytes < 2 * HUGE_PAGE:
         return torch.empty(numel, dtype=dtype)

@@ -412,8 +412,8 @@ def gemm_ranges(k: GemmKernel) -> bool:
         return False
     if is_size(spec.m) or is_size(k.tile_m):
         return True
-    last = spec.m - (-(-spec.m // k.tile_m) - 1) * k.tile_m
-    return min(k.tile_m, last) < OWN_PF_MIN * OWN_MR
+    last = spec.m % k.tile_m or k.tile_m  # the rows of the last row tile
+    return last < OWN_PF_MIN * OWN_MR
 
 
 @dataclass(frozen=True)
