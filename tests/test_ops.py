@@ -198,6 +198,33 @@ def test_binary(name: str) -> None:
     assert_matches_eager(m, fast(a, b), (a, b))
 
 
+ROUNDED_ONCE = {
+    "add_alpha": lambda a, b: torch.add(a, b, alpha=2.0),
+    "sub_alpha": lambda a, b: torch.sub(a, b, alpha=2.0),
+    "rsub_alpha": lambda a, b: torch.rsub(a, b, alpha=2.0),
+    "lerp_small": lambda a, b: torch.lerp(a, b, 0.3),
+    "lerp_large": lambda a, b: torch.lerp(a, b, 0.7),
+    "lerp_tensor": lambda a, b: torch.lerp(a, b, torch.full_like(a, 0.3)),
+    "addcdiv": lambda a, b: torch.addcdiv(a, a, b, value=0.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROUNDED_ONCE))
+def test_rounded_once_as_eager(name: str) -> None:
+    # Where eager's kernels round a product and a sum once (a fused multiply-add) or divide
+    # value * tensor1, two roundings differ in the last bit or overflow: 2 * 3.4e38 is inf
+    # in float32 where 3.4e38 - 2 * 3.4e38 is not. 64 elements: eager's vector path.
+    pairs = [(3.4e38, 3.4e38), (-3.4e38, 3.4e38), (3.4e38, -0.5), (1.0, -1.5), (1.0, -2.5)]
+    pairs += [(-1.0, 1.5), (0.1, 0.7), (1e-45, 0.0)]
+    a = torch.tensor([p[0] for p in pairs] * 8)
+    b = torch.tensor([p[1] for p in pairs] * 8)
+    fn = ROUNDED_ONCE[name]
+    m = Fn(lambda x, y: fn(x * 1.0, y * 1.0)).eval()
+    fast = opfuse.compile(m, (a, b))
+    assert _kernels(fast) == {"elementwise": 1}, fast.report
+    torch.testing.assert_close(fast(a, b), m(a, b), rtol=0, atol=0, equal_nan=True)
+
+
 INT_BINARY = [
     "add",
     "sub",

@@ -154,6 +154,24 @@ def test_integer_and_comparison_ops() -> None:
     _check(fn, a, b, c)
 
 
+def test_alpha_and_lerp_round_once() -> None:
+    a = torch.randn(8, 33)
+    b = torch.randn(8, 33)
+    i = torch.randint(-50, 50, (8, 33))
+
+    def fn(a: torch.Tensor, b: torch.Tensor, i: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (
+            torch.add(a, b, alpha=2.5),
+            torch.rsub(a * 2, b, alpha=0.5),
+            torch.lerp(a, b, 0.3),
+            torch.lerp(a, b, b.sigmoid()),
+            torch.sub(i, i.flip(0), alpha=3),
+        )
+
+    f = _check(fn, a, b, i)
+    assert "fma(" in f.report.groups[0].source_code
+
+
 def test_gemm_epilogue_runs_the_matmul_with_torch_and_the_epilogue_in_triton() -> None:
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))

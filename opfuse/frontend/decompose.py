@@ -81,6 +81,11 @@ _KEEP_WHOLE = (
     aten.silu.default,
     aten.hardswish.default,
     aten.hardsigmoid.default,
+    # Their decompositions round where torch's kernels do not (lerp's vector kernel is one
+    # fused multiply-add, addcdiv divides value * tensor1): the op table has eager's forms.
+    aten.lerp.Scalar,
+    aten.lerp.Tensor,
+    aten.addcdiv.default,
 )
 
 # A GRU / Elman RNN unrolls into a dozen ops per time step, layer and direction (measured:

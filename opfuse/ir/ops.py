@@ -23,7 +23,7 @@ import torch
 from .combine import Combine
 from .graph import Node, bind
 from .index import Ix, Var, delinearize, linearize
-from .scalar import Expr, call, cast, const, position, where
+from .scalar import Expr, call, cast, const, fma, position, where
 
 
 class Kind(IntEnum):
@@ -173,8 +173,11 @@ def div_mode(self: Expr, other: Any, rounding_mode: str | None = None) -> Expr:
 
 def lerp(self: Expr, end: Any, weight: Any) -> Expr:
     # torch's two-sided form keeps lerp(a, b, 1) == b exactly.
+    # and rounds once, as its vector kernel does: fma(w, end - self, self) or
+    # fma(w - 1, end - self, end)
     small = call("abs", weight) < 0.5 if isinstance(weight, Expr) else abs(weight) < 0.5
-    return where(small, self + weight * (end - self), end - (end - self) * (1 - weight))
+    diff = end - self
+    return where(small, fma(weight, diff, self), fma(weight - 1, diff, end))
 
 
 def nan_to_num(self: Expr, nan: Any = None, posinf: Any = None, neginf: Any = None) -> Expr:
@@ -229,12 +232,15 @@ def counter_rand(
     return cast(u, torch.float64 if dtype == torch.float64 else torch.float32) * 2.0**-bits
 
 
-def _sub(self: Expr, other: Any, alpha: Any = 1) -> Expr:
-    return self - (other * alpha if alpha != 1 else other)
+def _sub(self: Any, other: Any, alpha: Any = 1) -> Expr:
+    return _add(self, other, -alpha) if alpha != 1 else self - other
 
 
-def _add(self: Expr, other: Any, alpha: Any = 1) -> Expr:
-    return self + (other * alpha if alpha != 1 else other)
+def _add(self: Any, other: Any, alpha: Any = 1) -> Expr:
+    if alpha == 1:
+        return self + other
+    # torch's kernels round self + alpha * other once (a fused multiply-add)
+    return fma(other, alpha, self)
 
 
 # -- index maps of views: output multi-index -> input multi-index -------------
@@ -565,7 +571,7 @@ OPS: dict[str, OpInfo] = {
     "aten.add.Scalar": pw(_add),
     "aten.sub.Tensor": pw(_sub),
     "aten.sub.Scalar": pw(_sub),
-    "aten.rsub.Scalar": pw(lambda self, other, alpha=1: other - (self * alpha if alpha != 1 else self)),
+    "aten.rsub.Scalar": pw(lambda self, other, alpha=1: _sub(other, self, alpha)),
     "aten.rsub.Tensor": pw(lambda self, other, alpha=1: _sub(other, self, alpha)),
     "aten.mul.Tensor": pw(lambda self, other: self * other),
     "aten.mul.Scalar": pw(lambda self, other: self * other),
@@ -598,7 +604,7 @@ OPS: dict[str, OpInfo] = {
     "aten.hypot.default": pw(lambda self, other: call("hypot", self, other)),
     "aten.addcmul.default": pw(lambda self, tensor1, tensor2, value=1: self + value * tensor1 * tensor2
                                if value != 1 else self + tensor1 * tensor2),
-    "aten.addcdiv.default": pw(lambda self, tensor1, tensor2, value=1: self + value * (tensor1 / tensor2)
+    "aten.addcdiv.default": pw(lambda self, tensor1, tensor2, value=1: self + value * tensor1 / tensor2
                                if value != 1 else self + tensor1 / tensor2),
     "aten.lerp.Scalar": pw(lerp),
     "aten.lerp.Tensor": pw(lerp),

@@ -50,7 +50,7 @@ class Prim:
     triton_int: str | None = None
     float_only: bool = False  # integer operands are cast to float first (exp, sin, ...)
     # How a bound of |result| follows from bounds of its operands' (lower/bounds.py): "sum"
-    # (|a| + |b|), "prod", "max" (the larger), "same" (the operand's), "unit" (1, for a
+    # (|a| + |b|), "prod", "fma" (|a| |b| + |c|), "max" (the larger), "same" (the operand's), "unit" (1, for a
     # finite operand); "" where none is known (exp, division, ...)
     bound: str = ""
 
@@ -91,6 +91,9 @@ PRIMS: dict[str, Prim] = {
                      float_only=True),
     "hypot": Prim(2, "same", "hypot{f}({0}, {1})", triton="libdevice.hypot({0}, {1})",
                   float_only=True),
+    # {0} * {1} + {2} rounded once, as torch's vector kernels compute add/sub with alpha and lerp
+    "fma": Prim(3, "same", "fma{f}({0}, {1}, {2})", "({0} * {1} + {2})",
+                triton="libdevice.fma({0}, {1}, {2})", triton_int="({0} * {1} + {2})", bound="fma"),
     "neg": Prim(1, "same", "(-{0})", "op_neg_{T}({0})", triton="(-{0})", bound="same"),
     "abs": Prim(1, "same", "fabs{f}({0})", "(({0} < 0) ? op_neg_{T}({0}) : {0})",
                 triton="tl.abs({0})", bound="same"),
@@ -360,6 +363,14 @@ def binary(op: str, a: Any, b: Any) -> Expr:
     return Expr(op, (a, b), torch.bool if prim.result == "bool" else t)
 
 
+def fma(a: Any, b: Any, c: Any) -> Expr:
+    """a * b + c: rounded once for floats (C's fma), plain arithmetic for integers."""
+    first = next(x for x in (a, b, c) if isinstance(x, Expr))
+    a, b, c = (_lift(x, first.dtype) for x in (a, b, c))
+    t = torch.promote_types(torch.promote_types(a.dtype, b.dtype), c.dtype)
+    return Expr("fma", (cast(a, t), cast(b, t), cast(c, t)), t)
+
+
 def unary(op: str, a: Expr) -> Expr:
     prim = PRIMS[op]
     t = a.dtype
@@ -401,6 +412,8 @@ def call(op: str, *args: Any) -> Expr:
     """Apply primitive `op`; the generic entry point for formulas."""
     if op == "where":
         return where(*args)
+    if op == "fma":
+        return fma(*args)
     if PRIMS[op].arity == 1:
         return unary(op, args[0])
     return binary(op, args[0], args[1])

@@ -99,6 +99,8 @@ def _rule(e: Expr, leaf: Callable[[str], Leaf | None], memo: dict[Expr, str | No
         return f"({a[0]} + {a[1]})"
     if prim.bound == "prod":
         return f"({a[0]} * {a[1]})"
+    if prim.bound == "fma":
+        return f"({a[0]} * {a[1]} + {a[2]})"
     if prim.bound == "max":
         return f"max({', '.join(a)})"
     if prim.bound == "same":
