@@ -159,3 +159,28 @@ def test_any_geometry_matches_eager(
     assert all(g.implementation.startswith("opfuse-conv") for g in _stem_groups(fast))
     # (the layout pass keeps tiny graphs NCHW: then no rows)
     assert _stem_groups(fast) or "layout kept NCHW" in str(fast.report)
+
+
+@pytest.mark.parametrize("oc", [8, 20, 40, 72])
+def test_the_kernels_without_avx512_match_eager(oc: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without AVX-512 the direct and depthwise kernels take vectors of 8 channels (AVX2's
+    16 registers): built here with -mno-avx512f whatever this CPU has. OC = 8..72: blocks
+    of 1 to 4 vectors, a part-filled last one, a depthwise scalar tail (20, 72 % 16)."""
+    import dataclasses
+
+    from opfuse.backends.c import build
+
+    narrow = dataclasses.replace(
+        build.toolchain(), flags=(*build.toolchain().flags, "-mno-avx512f")
+    )
+    monkeypatch.setattr(build, "toolchain", lambda: narrow)
+    torch.manual_seed(oc)
+    stem = _Stem(3, oc, (3, 3), 2, 1, 1, "relu6", bias=True).eval()
+    dw = nn.Sequential(
+        nn.Conv2d(3, oc, 3, padding=1), nn.Conv2d(oc, oc, 3, padding=1, groups=oc), nn.ReLU()
+    ).eval()
+    x = torch.randn(2, 3, 15, 13)
+    for m, impl in ((stem, "opfuse-conv"), (dw, "opfuse-dw")):
+        fast = opfuse.compile(m, (x,), options=opfuse.Options(implementation=impl))
+        assert_matches_eager(m, fast(x), (x,))
+        assert any(g.implementation.startswith(impl) for g in fast.report.groups)

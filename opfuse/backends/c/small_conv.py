@@ -7,8 +7,11 @@ any), so the caller's image needs no copy first. A tile is a range of output pix
 output channels, stored NHWC; the epilogue then runs over it in cache, as a depthwise
 kernel's does (backends/c/depthwise.py).
 
-Registers: a block of NP pixels x NV vectors (at most 4: 64 channels at a time) of sums
-and NV filter vectors; 6 x 4, 8 x 3 or 12 x 2 (12 x 1) of them, at most 28 of the 32.
+Registers: a block of NP pixels x NV vectors (at most 4 at a time) of sums and NV filter
+vectors. With AVX-512, vectors of 16 channels: 6 x 4, 8 x 3 or 12 x 2 (12 x 1), at most 28
+of the 32 registers. Without it, vectors of 8 in the 16 registers AVX2 has: 3 x 4, 4 x 3,
+6 x 2 or 12 x 1 (vectors of 16 there took two registers each and spilled: the stem of
+MobileNetV2 ran 12x oneDNN's time).
 """
 
 from __future__ import annotations
@@ -34,11 +37,17 @@ static inline void opfuse_inside_columns(int64_t W, int KW, int SW, int PW, int 
 OWN_SMALL_CONV = (
     INSIDE_COLUMNS
     + r"""
-typedef float opfuse_cv_v16 __attribute__((vector_size(64)));
+#ifdef __AVX512F__
+#define OPFUSE_CV_W 16
+#else
+#define OPFUSE_CV_W 8
+#endif
+typedef float opfuse_cv_v __attribute__((vector_size(4 * OPFUSE_CV_W)));
 
-/* np output pixels of row oh from column ow, output channels [0, nv * 16) of wp's (wp,
-   bias and dst start at the block's first channel); the last vector stores `tail` of its
-   16 channels. np and nv are constants where inlined: the sums stay in registers. */
+/* np output pixels of row oh from column ow, output channels [0, nv * OPFUSE_CV_W) of
+   wp's (wp, bias and dst start at the block's first channel); the last vector stores
+   `tail` of its OPFUSE_CV_W channels. np and nv are constants where inlined: the sums
+   stay in registers. */
 __attribute__((optimize("fp-contract=fast"), always_inline))
 static inline void opfuse_cv_block(const float *restrict xn, const float *restrict wp,
                                    const float *restrict bias, float *restrict dst,
@@ -46,11 +55,11 @@ static inline void opfuse_cv_block(const float *restrict xn, const float *restri
                                    int tail, int edge, int64_t SC, int64_t SH_, int64_t SW_,
                                    int64_t H, int64_t W, int C, int KH, int KW, int SH,
                                    int SW, int PH, int PW, int DH, int DW, int64_t OCP) {
-  opfuse_cv_v16 acc[12][4];
+  opfuse_cv_v acc[12][4];
   #pragma GCC unroll 12
   for (int p = 0; p < np; p++) {
     #pragma GCC unroll 4
-    for (int v = 0; v < nv; v++) memcpy(&acc[p][v], bias + 16 * v, 64);
+    for (int v = 0; v < nv; v++) memcpy(&acc[p][v], bias + OPFUSE_CV_W * v, sizeof(acc[p][v]));
   }
   for (int c = 0; c < C; c++) {
     for (int kh = 0; kh < KH; kh++) {
@@ -60,9 +69,10 @@ static inline void opfuse_cv_block(const float *restrict xn, const float *restri
       const float *restrict wr = wp + (int64_t)((c * KH + kh) * KW) * OCP;
       #pragma GCC unroll 7
       for (int kw = 0; kw < KW; kw++) {
-        opfuse_cv_v16 wv[4];
+        opfuse_cv_v wv[4];
         #pragma GCC unroll 4
-        for (int v = 0; v < nv; v++) memcpy(&wv[v], wr + kw * OCP + 16 * v, 64);
+        for (int v = 0; v < nv; v++)
+          memcpy(&wv[v], wr + kw * OCP + OPFUSE_CV_W * v, sizeof(wv[v]));
         #pragma GCC unroll 12
         for (int p = 0; p < np; p++) {
           const int64_t iw = (ow + p) * SW - PW + kw * DW;
@@ -77,11 +87,13 @@ static inline void opfuse_cv_block(const float *restrict xn, const float *restri
   #pragma GCC unroll 12
   for (int p = 0; p < np; p++) {
     #pragma GCC unroll 4
-    for (int v = 0; v + 1 < nv; v++) memcpy(dst + p * ldc + 16 * v, &acc[p][v], 64);
-    if (tail == 16) {
-      memcpy(dst + p * ldc + 16 * (nv - 1), &acc[p][nv - 1], 64);
+    for (int v = 0; v + 1 < nv; v++)
+      memcpy(dst + p * ldc + OPFUSE_CV_W * v, &acc[p][v], sizeof(acc[p][v]));
+    float *restrict last = dst + p * ldc + OPFUSE_CV_W * (nv - 1);
+    if (tail == OPFUSE_CV_W) {
+      memcpy(last, &acc[p][nv - 1], sizeof(acc[p][nv - 1]));
     } else {
-      for (int j = 0; j < tail; j++) dst[p * ldc + 16 * (nv - 1) + j] = acc[p][nv - 1][j];
+      for (int j = 0; j < tail; j++) last[j] = acc[p][nv - 1][j];
     }
   }
 }
@@ -120,19 +132,25 @@ static void opfuse_cv_tile(const float *restrict x, int64_t SN, int64_t SC,
     const int64_t ow1 = ow0 + (OW - ow0 < r1 - r ? OW - ow0 : r1 - r);
     const float *restrict xn = x + n * SN;
     float *restrict row = tile + (r - r0 - ow0) * ldc; /* + ow * ldc: pixel ow */
-    for (int64_t c0 = 0; c0 < OC; c0 += 64) {
+    for (int64_t c0 = 0; c0 < OC; c0 += 4 * OPFUSE_CV_W) {
       const int64_t left = OC - c0;
-      const int nv = left >= 64 ? 4 : (int)((left + 15) / 16);
-      const int tail = left >= 64 ? 16 : (int)(left - 16 * (nv - 1));
+      const int nv = left >= 4 * OPFUSE_CV_W ? 4 : (int)((left + OPFUSE_CV_W - 1) / OPFUSE_CV_W);
+      const int tail = left >= 4 * OPFUSE_CV_W ? OPFUSE_CV_W : (int)(left - OPFUSE_CV_W * (nv - 1));
       const float *restrict wb = wp + c0, *restrict bb = bias + c0;
       float *restrict dst = row + c0;
 #define OPFUSE_CV(np, nvc, edge)                                                           \
   opfuse_cv_block(xn, wb, bb, dst + ow * ldc, ldc, oh, ow, np, nvc, tail, edge, SC, SH_,   \
                   SW_, H, W, C, KH, KW, SH, SW, PH, PW, DH, DW, OCP)
       switch (nv) {
+#ifdef __AVX512F__
         case 4: OPFUSE_CV_ROW(6, 4); break;
         case 3: OPFUSE_CV_ROW(8, 3); break;
         case 2: OPFUSE_CV_ROW(12, 2); break;
+#else
+        case 4: OPFUSE_CV_ROW(3, 4); break;
+        case 3: OPFUSE_CV_ROW(4, 3); break;
+        case 2: OPFUSE_CV_ROW(6, 2); break;
+#endif
         default: OPFUSE_CV_ROW(12, 1); break;
       }
 #undef OPFUSE_CV
