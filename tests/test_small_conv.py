@@ -170,9 +170,8 @@ def test_the_kernels_without_avx512_match_eager(oc: int, monkeypatch: pytest.Mon
 
     from opfuse.backends.c import build
 
-    narrow = dataclasses.replace(
-        build.toolchain(), flags=(*build.toolchain().flags, "-mno-avx512f")
-    )
+    native = build.toolchain()
+    narrow = dataclasses.replace(native, flags=(*native.flags, "-mno-avx512f"))
     monkeypatch.setattr(build, "toolchain", lambda: narrow)
     torch.manual_seed(oc)
     stem = _Stem(3, oc, (3, 3), 2, 1, 1, "relu6", bias=True).eval()

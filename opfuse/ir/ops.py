@@ -172,9 +172,8 @@ def div_mode(self: Expr, other: Any, rounding_mode: str | None = None) -> Expr:
 
 
 def lerp(self: Expr, end: Any, weight: Any) -> Expr:
-    # torch's two-sided form keeps lerp(a, b, 1) == b exactly.
-    # and rounds once, as its vector kernel does: fma(w, end - self, self) or
-    # fma(w - 1, end - self, end)
+    # torch's two-sided form keeps lerp(a, b, 1) == b exactly, and its vector kernel rounds
+    # each side once: fma(w, end - self, self) or fma(w - 1, end - self, end)
     small = call("abs", weight) < 0.5 if isinstance(weight, Expr) else abs(weight) < 0.5
     diff = end - self
     return where(small, fma(weight, diff, self), fma(weight - 1, diff, end))

@@ -50,8 +50,8 @@ class Prim:
     triton_int: str | None = None
     float_only: bool = False  # integer operands are cast to float first (exp, sin, ...)
     # How a bound of |result| follows from bounds of its operands' (lower/bounds.py): "sum"
-    # (|a| + |b|), "prod", "fma" (|a| |b| + |c|), "max" (the larger), "same" (the operand's), "unit" (1, for a
-    # finite operand); "" where none is known (exp, division, ...)
+    # (|a| + |b|), "prod", "fma" (|a| |b| + |c|), "max" (the larger), "same" (the
+    # operand's), "unit" (1, for a finite operand); "" where none is known (exp, division)
     bound: str = ""
 
 
@@ -91,9 +91,11 @@ PRIMS: dict[str, Prim] = {
                      float_only=True),
     "hypot": Prim(2, "same", "hypot{f}({0}, {1})", triton="libdevice.hypot({0}, {1})",
                   float_only=True),
-    # {0} * {1} + {2} rounded once, as torch's vector kernels compute add/sub with alpha and lerp
+    # {0} * {1} + {2} rounded once, as torch's vector kernels compute add/sub with an
+    # alpha and lerp
     "fma": Prim(3, "same", "fma{f}({0}, {1}, {2})", "({0} * {1} + {2})",
-                triton="libdevice.fma({0}, {1}, {2})", triton_int="({0} * {1} + {2})", bound="fma"),
+                triton="libdevice.fma({0}, {1}, {2})", triton_int="({0} * {1} + {2})",
+                bound="fma"),
     "neg": Prim(1, "same", "(-{0})", "op_neg_{T}({0})", triton="(-{0})", bound="same"),
     "abs": Prim(1, "same", "fabs{f}({0})", "(({0} < 0) ? op_neg_{T}({0}) : {0})",
                 triton="tl.abs({0})", bound="same"),
@@ -367,7 +369,7 @@ def fma(a: Any, b: Any, c: Any) -> Expr:
     """a * b + c: rounded once for floats (C's fma), plain arithmetic for integers."""
     first = next(x for x in (a, b, c) if isinstance(x, Expr))
     a, b, c = (_lift(x, first.dtype) for x in (a, b, c))
-    t = torch.promote_types(torch.promote_types(a.dtype, b.dtype), c.dtype)
+    t = torch.promote_types(_common(a, b), c.dtype)
     return Expr("fma", (cast(a, t), cast(b, t), cast(c, t)), t)
 
 

@@ -2,14 +2,14 @@
 first. A tile is a range of output pixels x all channels; the epilogue then runs over it in
 cache, as a blocked GEMM's does (backends/c/gemm.py).
 
-Each 16 channels (8 without AVX-512: AVX2's 16 registers held a 3x3 filter's 16-channel
-taps in 18 and spilled, 1.5x oneDNN's time) hold their KH x KW filter taps in vector
-registers while the pixels of an output row pass: 8 (then 4, then 1) pixels at a time
-where their windows lie inside the input, one at a time with each tap checked at the
-borders. The sizes are constants where the kernel is inlined, so every loop over taps and
-pixels unrolls. Against oneDNN's call
-through torch (2 threads, with a ReLU6 pass): 14x14x384 15 us against ~42, 7x7x960 10
-against ~39, 112x112x96/2 84 against ~116; ONNX Runtime's own kernels 18, 15 and 86.
+Each 16 channels hold their KH x KW filter taps in vector registers while the pixels of an
+output row pass: 8 (then 4, then 1) pixels at a time where their windows lie inside the
+input, one at a time with each tap checked at the borders. Without AVX-512, each 8
+channels and 4 pixels at a time (in AVX2's 16 registers a 3x3 filter's 16-channel taps
+took 18 and spilled: 1.5x oneDNN's time). The sizes are constants where the kernel is
+inlined, so every loop over taps and pixels unrolls. Against oneDNN's call through torch
+(2 threads, with a ReLU6 pass): 14x14x384 15 us against ~42, 7x7x960 10 against ~39,
+112x112x96/2 84 against ~116; ONNX Runtime's own kernels 18, 15 and 86.
 """
 
 from __future__ import annotations
@@ -27,24 +27,17 @@ from .small_conv import INSIDE_COLUMNS, tile_call
 OWN_DEPTHWISE = (
     INSIDE_COLUMNS
     + r"""
-#ifdef __AVX512F__
-#define OPFUSE_DW_W 16
-#else
-#define OPFUSE_DW_W 8
-#endif
-typedef float opfuse_dw_v __attribute__((vector_size(4 * OPFUSE_DW_W)));
-
-/* np output pixels of row oh from column ow, channels c..c+OPFUSE_DW_W-1: np a constant where
+/* np output pixels of row oh from column ow, channels c..c+OPFUSE_VW-1: np a constant where
    inlined; `edge`: a window may leave the input (each tap checked). xn holds the image's
    rows from row0 on. */
 __attribute__((optimize("fp-contract=fast"), always_inline))
-static inline void opfuse_dw_block(const float *restrict xn, const opfuse_dw_v *wv,
-                                   opfuse_dw_v b, float *restrict dst, int64_t ldc,
+static inline void opfuse_dw_block(const float *restrict xn, const opfuse_vec *wv,
+                                   opfuse_vec b, float *restrict dst, int64_t ldc,
                                    int64_t row0, int64_t oh, int64_t ow, int np, int64_t c,
                                    int edge,
                                    int64_t H, int64_t W, int64_t C, int KH, int KW, int SH,
                                    int SW, int PH, int PW, int DH, int DW) {
-  opfuse_dw_v acc[8];
+  opfuse_vec acc[8];
   #pragma GCC unroll 8
   for (int p = 0; p < np; p++) acc[p] = b;
   #pragma GCC unroll 7
@@ -58,7 +51,7 @@ static inline void opfuse_dw_block(const float *restrict xn, const opfuse_dw_v *
       for (int p = 0; p < np; p++) {
         const int64_t iw = (ow + p) * SW - PW + kw * DW;
         if (edge && (iw < 0 || iw >= W)) continue;
-        opfuse_dw_v xv;
+        opfuse_vec xv;
         memcpy(&xv, xr + iw * C, sizeof(xv));
         acc[p] += xv * wv[kh * KW + kw];
       }
@@ -68,7 +61,7 @@ static inline void opfuse_dw_block(const float *restrict xn, const opfuse_dw_v *
   for (int p = 0; p < np; p++) memcpy(dst + p * ldc, &acc[p], sizeof(acc[p]));
 }
 
-/* One channel past the last full vector (C no multiple of OPFUSE_DW_W), one pixel. */
+/* One channel past the last full vector (C no multiple of OPFUSE_VW), one pixel. */
 static inline float opfuse_dw_one(const float *restrict xn, const float *restrict wp,
                                   float b, int64_t row0, int64_t oh, int64_t ow, int64_t c,
                                   int64_t H,
@@ -110,8 +103,8 @@ static inline void opfuse_dw_tile(const float *restrict x, int64_t xs, int64_t r
     const float *restrict xn = x + n * xs;
     float *restrict row = tile + (r - r0 - ow0) * ldc; /* + ow * ldc: pixel ow */
     int64_t c = 0;
-    for (; c + OPFUSE_DW_W <= C; c += OPFUSE_DW_W) {
-      opfuse_dw_v wv[49], b; /* lower/depthwise.MAX_TAPS */
+    for (; c + OPFUSE_VW <= C; c += OPFUSE_VW) {
+      opfuse_vec wv[49], b; /* lower/depthwise.MAX_TAPS */
       for (int t = 0; t < KH * KW; t++) memcpy(&wv[t], wp + t * C + c, sizeof(wv[t]));
       memcpy(&b, bias + c, sizeof(b));
       float *restrict dst = row + c;

@@ -65,18 +65,15 @@ OWN_GEMM = r"""
 #define OPFUSE_PF_MIN 3
 #define OPFUSE_PF_MAX 48
 #define OPFUSE_KC 512  /* k per range of a panel of few strips: a multiple of 8 blocks of 32 */
-/* Vectors as wide as the machine's: AVX-512's 16 floats, else 8 (AVX2's, two NEON
-   registers), so that a pass of a strip keeps its 12 sums in registers: 32 columns a pass
-   with AVX-512, 16 without (two passes over a panel; 16 ymm registers hold no more), or
-   all 32 (4 vectors) for a strip of at most 3 rows. */
-#ifdef __AVX512F__
-#define OPFUSE_VW 16
+/* Vectors of OPFUSE_VW floats (the prelude's: the machine's width), so that a pass of a
+   strip keeps its 12 sums in registers: 32 columns a pass with AVX-512, 16 without (two
+   passes over a panel; 16 ymm registers hold no more), or all 32 (4 vectors) for a strip
+   of at most 3 rows. */
+#if OPFUSE_VW == 16
 #define OPFUSE_NV 2
 #else
-#define OPFUSE_VW 8
 #define OPFUSE_NV 4
 #endif
-typedef float opfuse_vec __attribute__((vector_size(OPFUSE_VW * 4)));
 #if OPFUSE_VW == 8 && defined(__FMA__)
 #include <immintrin.h>
 /* the FMA spelt out: gcc, given a tile's sizes as constants, split some of the 8-wide

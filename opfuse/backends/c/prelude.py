@@ -59,6 +59,16 @@ _HEAD = r"""
 
 typedef uint16_t bf16_t;
 
+/* Vectors as wide as the machine's: AVX-512's 16 floats, else 8 (AVX2's; two NEON
+   registers). opfuse's GEMM, depthwise and direct kernels size their register blocks by
+   it: 16-float vectors without AVX-512 take two of AVX2's 16 registers each, and spill. */
+#ifdef __AVX512F__
+#define OPFUSE_VW 16
+#else
+#define OPFUSE_VW 8
+#endif
+typedef float opfuse_vec __attribute__((vector_size(OPFUSE_VW * 4)));
+
 static inline float bf16_to_f32(bf16_t x) {
   uint32_t u = (uint32_t)x << 16; float f; memcpy(&f, &u, 4); return f;
 }

@@ -37,16 +37,9 @@ static inline void opfuse_inside_columns(int64_t W, int KW, int SW, int PW, int 
 OWN_SMALL_CONV = (
     INSIDE_COLUMNS
     + r"""
-#ifdef __AVX512F__
-#define OPFUSE_CV_W 16
-#else
-#define OPFUSE_CV_W 8
-#endif
-typedef float opfuse_cv_v __attribute__((vector_size(4 * OPFUSE_CV_W)));
-
-/* np output pixels of row oh from column ow, output channels [0, nv * OPFUSE_CV_W) of
+/* np output pixels of row oh from column ow, output channels [0, nv * OPFUSE_VW) of
    wp's (wp, bias and dst start at the block's first channel); the last vector stores
-   `tail` of its OPFUSE_CV_W channels. np and nv are constants where inlined: the sums
+   `tail` of its OPFUSE_VW channels. np and nv are constants where inlined: the sums
    stay in registers. */
 __attribute__((optimize("fp-contract=fast"), always_inline))
 static inline void opfuse_cv_block(const float *restrict xn, const float *restrict wp,
@@ -55,11 +48,11 @@ static inline void opfuse_cv_block(const float *restrict xn, const float *restri
                                    int tail, int edge, int64_t SC, int64_t SH_, int64_t SW_,
                                    int64_t H, int64_t W, int C, int KH, int KW, int SH,
                                    int SW, int PH, int PW, int DH, int DW, int64_t OCP) {
-  opfuse_cv_v acc[12][4];
+  opfuse_vec acc[12][4];
   #pragma GCC unroll 12
   for (int p = 0; p < np; p++) {
     #pragma GCC unroll 4
-    for (int v = 0; v < nv; v++) memcpy(&acc[p][v], bias + OPFUSE_CV_W * v, sizeof(acc[p][v]));
+    for (int v = 0; v < nv; v++) memcpy(&acc[p][v], bias + OPFUSE_VW * v, sizeof(acc[p][v]));
   }
   for (int c = 0; c < C; c++) {
     for (int kh = 0; kh < KH; kh++) {
@@ -69,10 +62,10 @@ static inline void opfuse_cv_block(const float *restrict xn, const float *restri
       const float *restrict wr = wp + (int64_t)((c * KH + kh) * KW) * OCP;
       #pragma GCC unroll 7
       for (int kw = 0; kw < KW; kw++) {
-        opfuse_cv_v wv[4];
+        opfuse_vec wv[4];
         #pragma GCC unroll 4
         for (int v = 0; v < nv; v++)
-          memcpy(&wv[v], wr + kw * OCP + OPFUSE_CV_W * v, sizeof(wv[v]));
+          memcpy(&wv[v], wr + kw * OCP + OPFUSE_VW * v, sizeof(wv[v]));
         #pragma GCC unroll 12
         for (int p = 0; p < np; p++) {
           const int64_t iw = (ow + p) * SW - PW + kw * DW;
@@ -88,9 +81,9 @@ static inline void opfuse_cv_block(const float *restrict xn, const float *restri
   for (int p = 0; p < np; p++) {
     #pragma GCC unroll 4
     for (int v = 0; v + 1 < nv; v++)
-      memcpy(dst + p * ldc + OPFUSE_CV_W * v, &acc[p][v], sizeof(acc[p][v]));
-    float *restrict last = dst + p * ldc + OPFUSE_CV_W * (nv - 1);
-    if (tail == OPFUSE_CV_W) {
+      memcpy(dst + p * ldc + OPFUSE_VW * v, &acc[p][v], sizeof(acc[p][v]));
+    float *restrict last = dst + p * ldc + OPFUSE_VW * (nv - 1);
+    if (tail == OPFUSE_VW) {
       memcpy(last, &acc[p][nv - 1], sizeof(acc[p][nv - 1]));
     } else {
       for (int j = 0; j < tail; j++) last[j] = acc[p][nv - 1][j];
@@ -132,10 +125,10 @@ static void opfuse_cv_tile(const float *restrict x, int64_t SN, int64_t SC,
     const int64_t ow1 = ow0 + (OW - ow0 < r1 - r ? OW - ow0 : r1 - r);
     const float *restrict xn = x + n * SN;
     float *restrict row = tile + (r - r0 - ow0) * ldc; /* + ow * ldc: pixel ow */
-    for (int64_t c0 = 0; c0 < OC; c0 += 4 * OPFUSE_CV_W) {
+    for (int64_t c0 = 0; c0 < OC; c0 += 4 * OPFUSE_VW) {
       const int64_t left = OC - c0;
-      const int nv = left >= 4 * OPFUSE_CV_W ? 4 : (int)((left + OPFUSE_CV_W - 1) / OPFUSE_CV_W);
-      const int tail = left >= 4 * OPFUSE_CV_W ? OPFUSE_CV_W : (int)(left - OPFUSE_CV_W * (nv - 1));
+      const int nv = left >= 4 * OPFUSE_VW ? 4 : (int)((left + OPFUSE_VW - 1) / OPFUSE_VW);
+      const int tail = left >= 4 * OPFUSE_VW ? OPFUSE_VW : (int)(left - OPFUSE_VW * (nv - 1));
       const float *restrict wb = wp + c0, *restrict bb = bias + c0;
       float *restrict dst = row + c0;
 #define OPFUSE_CV(np, nvc, edge)                                                           \
