@@ -357,4 +357,128 @@ def test_band_height_is_the_search_it_closes(
 
     while band > 1 and floats(band) > band_floats():
         band -= 1
-    assert band_height(g, out, threads) == band
+    assert band_height(g, 2 * c + out, threads) == band
+
+
+class _Excited(nn.Module):
+    """MobileNetV3's / EfficientNet's block: 1x1 expansion, depthwise, squeeze-and-excitation
+    (the depthwise result's mean scales it), 1x1 projection. No matmul reads the depthwise
+    rows alone, so only the expansion can join the depthwise kernel."""
+
+    def __init__(
+        self,
+        c: int,
+        t: int,
+        oc: int,
+        k: int = 3,
+        stride: int = 1,
+        act: Any = F.hardswish,
+        dw_act: Any = None,
+    ) -> None:
+        super().__init__()
+        hid = c * t
+        self.expand = nn.Conv2d(c, hid, 1)
+        self.dw = nn.Conv2d(hid, hid, k, stride, k // 2, groups=hid)
+        self.fc1, self.fc2 = (
+            nn.Conv2d(hid, max(1, hid // 4), 1),
+            nn.Conv2d(max(1, hid // 4), hid, 1),
+        )
+        self.pw = nn.Conv2d(hid, oc, 1)
+        self.act, self.dw_act = act, dw_act or act
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.dw_act(self.dw(self.act(self.expand(x))))
+        s = F.hardsigmoid(self.fc2(F.relu(self.fc1(y.mean((2, 3), keepdim=True)))))
+        return self.pw(y * s)
+
+
+EXPAND_DW = opfuse.Options(implementation="opfuse-expand-dw")
+
+
+def test_an_excited_block_runs_its_expansion_inside_the_depthwise_kernel() -> None:
+    torch.manual_seed(9)
+    m = _Excited(8, 3, 16).eval()
+    x = _nhwc(2, 8, 15, 13)
+    fast = opfuse.compile(m, (x,), options=EXPAND_DW)
+    for inp in (x, _nhwc(2, 8, 15, 13)):
+        assert_matches_eager(m, fast(inp), (inp,))
+    groups = fast.report.groups
+    (dw,) = [g for g in groups if DEPTHWISE in g.ops]
+    assert dw.implementation.startswith("opfuse-expand-dw"), dw.implementation
+    assert "expansion, then depthwise" in dw.source_code
+    inside = [g for g in groups if g.kernel == f"(in group {dw.id})"]
+    assert [g.ops[0] for g in inside] == ["aten.addmm.default"]
+    # the tuner times it against the two groups apart
+    tuned = opfuse.compile(m, (x,))
+    assert_matches_eager(m, tuned(x), (x,))
+    (g,) = [g for g in tuned.report.groups if DEPTHWISE in g.ops]
+    if g.implementation.startswith("opfuse-expand-dw"):
+        assert "separate " in g.implementation
+
+
+# the last: no epilogue after the depthwise convolution (its rows straight to the output)
+@pytest.mark.parametrize("acts", [(F.relu, F.relu), (F.silu, F.silu), (F.relu6, lambda t: t)])
+def test_excited_blocks_of_every_activation(acts: Any) -> None:
+    torch.manual_seed(10)
+    m = _Excited(8, 3, 12, k=5, stride=2, act=acts[0], dw_act=acts[1]).eval()
+    x = _nhwc(3, 8, 17, 11)
+    fast = opfuse.compile(m, (x,), options=EXPAND_DW)
+    assert_matches_eager(m, fast(x), (x,))
+    (dw,) = [g for g in fast.report.groups if DEPTHWISE in g.ops]
+    assert dw.implementation.startswith("opfuse-expand-dw"), dw.implementation
+
+
+def test_a_block_whose_projection_reads_the_rows_takes_the_whole_block_kernel() -> None:
+    """Where the projection can take the depthwise rows (no squeeze-and-excitation), the
+    expansion is left to the three-group kernel: the depthwise group gets no candidate of
+    its own that would absorb the expansion first."""
+    torch.manual_seed(11)
+    m = _Inverted(8, 3, 8).eval()
+    x = _nhwc(1, 8, 9, 9)
+    fast = opfuse.compile(m, (x,), options=EXPAND_DW)
+    assert_matches_eager(m, fast(x), (x,))
+    assert not any(g.implementation.startswith("opfuse-expand-dw ") for g in fast.report.groups)
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    n=st.integers(1, 3),
+    c=st.integers(1, 12),
+    t=st.integers(1, 6),
+    h=st.integers(1, 14),
+    w=st.integers(1, 14),
+    k=st.sampled_from([1, 3, 5]),
+    stride=st.integers(1, 2),
+)
+def test_any_excited_block_matches_eager(
+    n: int, c: int, t: int, h: int, w: int, k: int, stride: int
+) -> None:
+    torch.manual_seed(n * 1000 + c * 100 + t)
+    m = _Excited(c, t, 5, k, stride).eval()
+    x = _nhwc(n, c, h, w)
+    fast = opfuse.compile(m, (x,), options=EXPAND_DW)
+    assert_matches_eager(m, fast(x), (x,))
+
+
+def test_a_depthwise_epilogue_stores_the_outputs_of_the_expanded_kernel() -> None:
+    """Expansion and depthwise convolution with its activation, the result returned and
+    scaled: the depthwise epilogue writes both outputs from the band's tile."""
+
+    class _Head(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.expand = nn.Conv2d(6, 20, 1)
+            self.dw = nn.Conv2d(20, 20, 3, 1, 1, groups=20)
+
+        def forward(self, x: torch.Tensor) -> Any:
+            y = F.silu(self.dw(F.relu(self.expand(x))))
+            return y, y * 2
+
+    torch.manual_seed(12)
+    m = _Head().eval()
+    x = _nhwc(2, 6, 11, 9)
+    fast = opfuse.compile(m, (x,), options=EXPAND_DW)
+    assert_matches_eager(m, fast(x), (x,))
+    (dw,) = [g for g in fast.report.groups if DEPTHWISE in g.ops]
+    assert dw.implementation.startswith("opfuse-expand-dw"), dw.implementation
+    assert "aten.silu.default" in dw.ops and "float *tile = dtile;" in dw.source_code

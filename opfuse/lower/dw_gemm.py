@@ -9,6 +9,10 @@ This is a candidate of the matmul's group ("opfuse-dw-gemm") that also does the 
 the depthwise group before it (`producers`); the tuner times it against the two groups run
 as they would separately and keeps the faster (autotune._pair). With the 1x1 expansion
 before the depthwise convolution, "opfuse-expand-dw-gemm" does the work of all three.
+Where no matmul reads the depthwise rows alone (a squeeze-and-excitation block between
+them: MobileNetV3, EfficientNet), "opfuse-expand-dw", a candidate of the depthwise group,
+does the expansion's work and its own, and stores the depthwise result: the expanded
+tensor (7 MB at MobileNetV3's batch 8, 56x56x72) never goes to memory.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from .lowering import NotFusable
 TILE_FLOATS = 1 << 15
 NAME = "opfuse-dw-gemm"
 NAME3 = "opfuse-expand-dw-gemm"
+NAME2 = "opfuse-expand-dw"
 
 
 @dataclass(frozen=True)
@@ -51,12 +56,13 @@ class DwGemmKernel:
     With `expand` (the 1x1 convolution's matmul whose result the depthwise convolution
     reads, `expanded_value`), tiles are bands of `band` output rows of one image: each
     computes the input rows its windows reach (a band's edge rows twice, once for each
-    band) with that matmul and its epilogue, in cache, then the depthwise rows from them."""
+    band) with that matmul and its epilogue, in cache, then the depthwise rows from them.
+    Without `gemm` (then with `expand`), the depthwise epilogue stores its outputs."""
 
     name: str
     ops: tuple[str, ...]
     dw: DepthwiseKernel
-    gemm: GemmKernel
+    gemm: GemmKernel | None
     rows_value: str  # the depthwise group's output the matmul reads: never stored
     producers: tuple[int, ...]  # the groups whose work it does too, first to last
     tile_m: int
@@ -67,6 +73,8 @@ class DwGemmKernel:
 
     @property
     def implementation(self) -> str:
+        if self.gemm is None:
+            return NAME2
         return NAME3 if self.expand is not None else NAME
 
     @property
@@ -98,18 +106,34 @@ class DwGemmKernel:
 
     @property
     def gemm_buffer(self) -> str:
-        """The buffer the runtime provides as scratch (the GEMM's result, renamed)."""
+        """The buffer the runtime provides as scratch (the GEMM's result, renamed; without
+        the GEMM, the depthwise result's)."""
+        if self.gemm is None:
+            return "d_" + self.dw.gemm_buffer
         return "g_" + self.gemm.gemm_buffer
 
     @property
     def epilogue(self) -> Kernel:
         """The buffers the epilogues take, in argument order (the expansion's, the
-        depthwise one's, the GEMM's), renamed apart: what the plan binds."""
+        depthwise one's, the GEMM's or else the scratch), renamed apart: what the plan
+        binds."""
         bufs = [replace(b, name="e_" + b.name) for b in self.expand_buffers]
         bufs += [replace(b, name="d_" + b.name) for b in self.dw_buffers]
+        if self.gemm is None:
+            d = self.dw.epilogue
+            result = next(b for b in d.buffers if b.name == self.dw.gemm_buffer)
+            bufs.append(replace(result, name=self.gemm_buffer))
+            return Kernel(self.name, self.ops, tuple(bufs), d.outer, d.inner, ())
         bufs += [replace(b, name="g_" + b.name) for b in self.gemm.epilogue.buffers]
         e = self.gemm.epilogue
         return Kernel(self.name, self.ops, tuple(bufs), e.outer, e.inner, ())
+
+    @property
+    def pixel_floats(self) -> int:
+        """A tile's floats per output pixel: the depthwise result, [the rows its epilogue
+        makes and the GEMM's result]."""
+        c = self.dw.geometry.c
+        return c if self.gemm is None else 2 * c + self.gemm.spec.n
 
     @property
     def rows(self) -> int:
@@ -139,7 +163,7 @@ class DwGemmKernel:
         epilogue makes, the GEMM's result, each tile_m rows."""
         g = self.dw.geometry
         expanded = self.band_rows * g.w * g.c if self.expand is not None else 0
-        return expanded + self.tile_m * (2 * g.c + self.gemm.spec.n)
+        return expanded + self.tile_m * self.pixel_floats
 
     @property
     def scratch_bytes(self) -> int:
@@ -151,8 +175,11 @@ def pair_depthwise_gemms(
 ) -> None:
     """Add the fused candidate to each matmul group that reads a depthwise group's rows as
     its A operand, and is the only reader of them; and, where the depthwise convolution
-    reads a 1x1 convolution's matmul group's result (alone), the candidate doing all three."""
+    reads a 1x1 convolution's matmul group's result (alone), the candidate doing all three;
+    where no matmul takes the depthwise rows so, the depthwise group's candidate doing the
+    expansion's work and its own."""
     owner = part.group_of()
+    paired: set[int] = set()  # depthwise groups a matmul's candidate may do the work of
     for g in part.groups:
         cands = candidates.get(g.id, {})
         gk = cands.get("opfuse-gemm")
@@ -173,6 +200,7 @@ def pair_depthwise_gemms(
         except NotFusable:
             continue
         cands[NAME] = pair
+        paired.add(producer.id)
         expanded = _view_base(dk.input)
         first = owner.get(expanded)
         if first is None or first.anchor is None:
@@ -186,6 +214,25 @@ def pair_depthwise_gemms(
             )
         except NotFusable:
             continue
+    for g in part.groups:
+        dk = candidates.get(g.id, {}).get("opfuse-dw")
+        if g.id in paired or not isinstance(dk, DepthwiseKernel) or g.anchor is None:
+            continue
+        expanded = _view_base(dk.input)
+        first = owner.get(expanded)
+        ek = candidates.get(first.id, {}).get("opfuse-gemm") if first is not None else None
+        if first is None or first.anchor is None or not isinstance(ek, GemmKernel):
+            continue
+        if dk.dense or dk.winograd is not None:
+            continue  # (not a depthwise convolution)
+        alone = DwGemmKernel(dk.name, dk.ops, dk, None, "", (), 0, threads)
+        try:
+            fused = _expand(
+                graph, first.anchor, first.nodes, ek, alone, (expanded, g.anchor), first.id
+            )
+        except NotFusable:
+            continue
+        candidates[g.id][NAME2] = fused
 
 
 def _fuse(
@@ -245,7 +292,7 @@ def _expand(
     if not _read_only_by(graph, expanded, dw_anchor):
         raise NotFusable("the expansion's result is read by others too")
     threads = pair.threads
-    band = band_height(g, pair.gemm.spec.n, threads)
+    band = band_height(g, pair.pixel_floats, threads)
     tm = band * g.ow
     e = own_gemm(lower_blocked(graph, anchor, members, threads, tile=(tm, g.c)))
     e = replace(e, epilogue=store_in_tile(e.epilogue, out, g.c))
@@ -271,17 +318,17 @@ def band_floats() -> int:
     return l2_bytes() // 4
 
 
-def band_height(g: Geometry, n: int, threads: int) -> int:
+def band_height(g: Geometry, pixel_floats: int, threads: int) -> int:
     """Output rows per band: a band per thread at least, and the tallest band whose floats
     (the input rows its windows reach, reach(b) = min(H, (b - 1) * sh + span), then its
-    rows of 2 C + N) fit in `band_floats`, 1 at the least. One expression of the sizes (no
-    search: with symbolic sizes every size prints it alike): the floats are the smaller of
-    a line in b and the line with the reach at H, so the bands that fit are those under
-    either line's bound."""
+    rows of `pixel_floats` a pixel) fit in `band_floats`, 1 at the least. One expression
+    of the sizes (no search: with symbolic sizes every size prints it alike): the floats
+    are the smaller of a line in b and the line with the reach at H, so the bands that fit
+    are those under either line's bound."""
     budget = band_floats()
     start = max(1, min(g.oh, -(-g.n * g.oh // threads)))
     span = (g.kh - 1) * g.dh + 1
-    per_row = g.ow * (2 * g.c + n)
+    per_row = g.ow * pixel_floats
     under_reach = (budget - (span - g.sh) * g.w * g.c) // (g.sh * g.w * g.c + per_row)
     under_whole = (budget - g.h * g.w * g.c) // per_row
     return max(1, min(start, max(under_reach, under_whole)))

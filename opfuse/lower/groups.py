@@ -72,6 +72,7 @@ IMPLEMENTATIONS = (
     "opfuse-conv",
     "opfuse-winograd",
     "opfuse-dw-gemm",
+    "opfuse-expand-dw",
     "opfuse-expand-dw-gemm",
     "onednn",
     "onednn-nhwc",

@@ -200,11 +200,15 @@ def render_dw_gemm(name: str, k: DwGemmKernel, project_floats: int) -> str:
     reads, the matmul's tile), an unused library address. Each epilogue's buffers are
     declared in a block of its own: their names are their kernels' own."""
     d, gk, g, e = k.dw, k.gemm, k.dw.geometry, k.expand
-    c, n, tm = g.c, gk.spec.n, k.tile_m
+    c, tm = g.c, k.tile_m
     first = 2 + len(k.expand_buffers) + len(k.dw_buffers)  # the matmul epilogue's first
-    scratch = first + [b.name for b in gk.epilogue.buffers].index(gk.gemm_buffer)
+    scratch = first  # without the matmul, the depthwise result's scratch comes next
+    if gk is not None:
+        scratch += [b.name for b in gk.epilogue.buffers].index(gk.gemm_buffer)
     m0, n0 = TILE_ROW, TILE_COL
-    what = f"depthwise {g.kh}x{g.kw}/{g.sh} over {g.n}x{g.h}x{g.w}x{c} NHWC, its rows @ {c}x{n}"
+    what = f"depthwise {g.kh}x{g.kw}/{g.sh} over {g.n}x{g.h}x{g.w}x{c} NHWC"
+    if gk is not None:
+        what += f", its rows @ {c}x{gk.spec.n}"
     if e is not None:
         what = f"{e.spec.m}x{c}x{e.spec.k} expansion, then {what}, bands of {k.band} rows"
     lines = [
@@ -255,15 +259,30 @@ def render_dw_gemm(name: str, k: DwGemmKernel, project_floats: int) -> str:
             f"    const int64_t mm = (oh1 - oh0) * {g.ow};",
             f"    float *dtile = slot + {k.band_rows * g.w * c};",
         ]
+    dw_call = (
+        f"{m0}, mm, {g.h}, {g.w}, {c}, {g.oh}, {g.ow}, {g.kh}, {g.kw}, {g.sh}, {g.sw}, {g.ph}, "
+        f"{g.pw}, {g.dh}, {g.dw});"
+    )
+    first_dw = 2 + len(k.expand_buffers)
+    if gk is None:  # the depthwise epilogue stores the outputs (lower/dw_gemm.NAME2)
+        if d.in_place:  # no epilogue: the depthwise rows straight into the output
+            out = next(i for i, b in enumerate(k.dw_buffers) if b.role == "out")
+            lines.append(f"    dtile = (float *)args[{first_dw + out}] + {m0} * {c};")
+        lines += [f"    opfuse_dw_tile(xs, xstride, row0, WP, dtile, {c}, {dw_call}"]
+        if not d.in_place:
+            lines += ["    {", "    float *tile = dtile;"]
+            lines += _block_epilogue(d.epilogue, d.gemm_buffer, None, first_dw, c)
+            lines.append("    }")
+        lines += ["  }", "  return err;", "}"]
+        return "\n".join(lines) + "\n"
+    n = gk.spec.n
     lines += [
         f"    float *atile = dtile + {tm * c}, *ctile = atile + {tm * c};",
         f"    opfuse_dw_tile(xs, xstride, row0, WP, {'atile' if d.in_place else 'dtile'}, {c}, "
-        f"{m0}, mm, {g.h}, {g.w}, {c}, {g.oh}, {g.ow}, {g.kh}, {g.kw}, {g.sh}, {g.sw}, {g.ph}, "
-        f"{g.pw}, {g.dh}, {g.dw});",
+        f"{dw_call}",
     ]
     if not d.in_place:  # the depthwise epilogue: dtile -> the rows the matmul reads
         lines += ["    {", "    float *tile = dtile;"]
-        first_dw = 2 + len(k.expand_buffers)
         lines += _block_epilogue(d.epilogue, d.gemm_buffer, (k.rows_value, "atile"), first_dw, c)
         lines.append("    }")
     lines.append("    {")
@@ -283,7 +302,7 @@ def render_dw_gemm(name: str, k: DwGemmKernel, project_floats: int) -> str:
 def _block_epilogue(
     epi: Kernel,
     result: str,
-    stored: tuple[str, str],
+    stored: tuple[str, str] | None,
     first: int,
     cols: int,
     overwritten: bool = False,
@@ -291,14 +310,17 @@ def _block_epilogue(
     """An epilogue inside the fused kernel: its inputs from args[first] on (all but its
     result, read from `tile`), its one output, `stored` = (value, C pointer it is written
     to: the store index rewritten by lower/dw_gemm.store_in_tile); `overwritten`: that
-    pointer is `tile`'s."""
-    value, into = stored
+    pointer is `tile`'s. Without `stored`, its outputs are arguments too (in order)."""
+    value, into = stored if stored is not None else ("", "")
     lines = []
     j = first
     for b in epi.buffers:
         t = STORAGE[b.dtype]
-        if b.value == value and b.role == "out":
+        if stored is not None and b.value == value and b.role == "out":
             lines.append(f"    {t} *{b.name} = {into};")
+        elif b.role == "out":
+            lines.append(f"    {t} *restrict {b.name} = ({t} *)args[{j}];")
+            j += 1
         elif b.name != result:
             lines.append(f"    const {t} *restrict {b.name} = (const {t} *)args[{j}];")
             j += 1

@@ -204,7 +204,7 @@ def _render(named: Sequence[_Named], symbolic: bool) -> tuple[dict[str, str], di
             draw = render_depthwise if d.winograd is None else render_winograd
             tiled.append((n, d, functools.partial(draw, n, d)))
         tiled += [
-            (n, d, functools.partial(render_dw_gemm, n, d, own_layout(d.gemm)[1]))
+            (n, d, functools.partial(render_dw_gemm, n, d, own_layout(d.gemm)[1] if d.gemm else 0))
             for n, d in nm.dw_gemms
         ]
         for n, g, text in tiled:
@@ -353,7 +353,9 @@ def _make_dw_gemm(graph: Graph, k: DwGemmKernel, fn: Any, sizes: tuple[int, ...]
     """A depthwise convolution feeding a matmul: the filters and bias packed as the
     depthwise kernel reads them, then the matmul's weight as opfuse's GEMM does (and the
     expansion's, where the kernel computes the depthwise input too)."""
-    parts = [_filters(graph, k.dw), OwnPack.of(k.gemm)(_weight(graph, k.gemm))]
+    parts = [_filters(graph, k.dw)]
+    if k.gemm is not None:
+        parts.append(OwnPack.of(k.gemm)(_weight(graph, k.gemm)))
     if k.expand is not None:  # (the expansion's weight after the matmul's)
         parts.append(OwnPack.of(k.expand)(_weight(graph, k.expand)))
     return BuiltGemm(k, fn, torch.cat(parts), 0, sizes=sizes)
