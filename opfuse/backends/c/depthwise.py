@@ -266,8 +266,8 @@ def render_dw_gemm(name: str, k: DwGemmKernel, project_floats: int) -> str:
     first_dw = 2 + len(k.expand_buffers)
     if gk is None:  # the depthwise epilogue stores the outputs (lower/dw_gemm.NAME2)
         if d.in_place:  # no epilogue: the depthwise rows straight into the output
-            out = next(i for i, b in enumerate(k.dw_buffers) if b.role == "out")
-            lines.append(f"    dtile = (float *)args[{first_dw + out}] + {m0} * {c};")
+            at = next(i for i, b in enumerate(k.dw_buffers) if b.role == "out")
+            lines.append(f"    dtile = (float *)args[{first_dw + at}] + {m0} * {c};")
         lines += [f"    opfuse_dw_tile(xs, xstride, row0, WP, dtile, {c}, {dw_call}"]
         if not d.in_place:
             lines += ["    {", "    float *tile = dtile;"]
