@@ -44,7 +44,7 @@ from .lowering import NotFusable
 TILE_FLOATS = 1 << 15
 NAME = "opfuse-dw-gemm"
 NAME3 = "opfuse-expand-dw-gemm"
-NAME2 = "opfuse-expand-dw"
+NAME2 = "opfuse-expand-dw"  # the expansion and the depthwise convolution; no matmul
 
 
 @dataclass(frozen=True)
