@@ -57,6 +57,16 @@ def _nhwc(*shape: int) -> torch.Tensor:
     return torch.randn(*shape).to(memory_format=torch.channels_last)
 
 
+def _checked(m: nn.Module, shape: tuple[int, ...], options: Any) -> tuple[Any, torch.Tensor]:
+    """m compiled with `options` on an input of `shape`, and its results on that input and
+    on a second one matched against eager; (the compiled module, the first input)."""
+    x = _nhwc(*shape)
+    fast = opfuse.compile(m, (x,), options=options)
+    for inp in (x, _nhwc(*shape)):
+        assert_matches_eager(m, fast(inp), (inp,))
+    return fast, x
+
+
 def _fused(fast: Any) -> tuple[Any, Any]:
     """The depthwise group and the group whose kernel runs it."""
     groups = fast.report.groups
@@ -68,10 +78,7 @@ def _fused(fast: Any) -> tuple[Any, Any]:
 def test_the_depthwise_rows_run_inside_the_matmul_kernel() -> None:
     torch.manual_seed(0)
     m = _Tail(32, 32).eval()
-    x = _nhwc(2, 32, 15, 13)
-    fast = opfuse.compile(m, (x,), options=FUSED)
-    for inp in (x, _nhwc(2, 32, 15, 13)):
-        assert_matches_eager(m, fast(inp), (inp,))
+    fast, _ = _checked(m, (2, 32, 15, 13), FUSED)
     dw, mm = _fused(fast)
     assert dw.kernel == f"(in group {mm.id})" and dw.implementation.startswith("inside group")
     assert dw.ops == [DEPTHWISE, "aten.hardtanh.default"]
@@ -219,10 +226,7 @@ def _block(fast: Any) -> Any:
 def test_an_inverted_residual_block_runs_as_one_kernel() -> None:
     torch.manual_seed(5)
     m = _Inverted(16, 6, 16).eval()
-    x = _nhwc(2, 16, 15, 13)
-    fast = opfuse.compile(m, (x,), options=BLOCK)
-    for inp in (x, _nhwc(2, 16, 15, 13)):
-        assert_matches_eager(m, fast(inp), (inp,))
+    fast, x = _checked(m, (2, 16, 15, 13), BLOCK)
     last = _block(fast)
     assert last.implementation.startswith("opfuse-expand-dw-gemm"), last.implementation
     assert last.ops[:2] == ["aten.addmm.default", "aten.add.Tensor"]
@@ -402,10 +406,7 @@ EXPAND_DW = opfuse.Options(implementation="opfuse-expand-dw")
 def test_an_excited_block_runs_its_expansion_inside_the_depthwise_kernel() -> None:
     torch.manual_seed(9)
     m = _Excited(8, 3, 16).eval()
-    x = _nhwc(2, 8, 15, 13)
-    fast = opfuse.compile(m, (x,), options=EXPAND_DW)
-    for inp in (x, _nhwc(2, 8, 15, 13)):
-        assert_matches_eager(m, fast(inp), (inp,))
+    fast, x = _checked(m, (2, 8, 15, 13), EXPAND_DW)
     groups = fast.report.groups
     (dw,) = [g for g in groups if DEPTHWISE in g.ops]
     assert dw.implementation.startswith("opfuse-expand-dw"), dw.implementation

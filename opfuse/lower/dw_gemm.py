@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..fusion.groups import Partition
+from ..fusion.groups import Group, Partition
 from ..ir.graph import Graph, Node, TensorMeta
 from ..ir.ops import VIEW_OPS
 from ..rewrite.conv_rows import DEPTHWISE
@@ -201,16 +201,13 @@ def pair_depthwise_gemms(
             continue
         cands[NAME] = pair
         paired.add(producer.id)
-        expanded = _view_base(dk.input)
-        first = owner.get(expanded)
-        if first is None or first.anchor is None:
+        found = _expansion(owner, candidates, dk)
+        if found is None:
             continue
-        ek = candidates.get(first.id, {}).get("opfuse-gemm")
-        if not isinstance(ek, GemmKernel):
-            continue
+        expanded, anchor, first, ek = found
         try:
             cands[NAME3] = _expand(
-                graph, first.anchor, first.nodes, ek, pair, (expanded, producer.anchor), first.id
+                graph, anchor, first.nodes, ek, pair, (expanded, producer.anchor), first.id
             )
         except NotFusable:
             continue
@@ -218,21 +215,30 @@ def pair_depthwise_gemms(
         dk = candidates.get(g.id, {}).get("opfuse-dw")
         if g.id in paired or not isinstance(dk, DepthwiseKernel) or g.anchor is None:
             continue
-        expanded = _view_base(dk.input)
-        first = owner.get(expanded)
-        ek = candidates.get(first.id, {}).get("opfuse-gemm") if first is not None else None
-        if first is None or first.anchor is None or not isinstance(ek, GemmKernel):
-            continue
-        if dk.dense or dk.winograd is not None:
-            continue  # (not a depthwise convolution)
+        found = _expansion(owner, candidates, dk)
+        if found is None or dk.dense or dk.winograd is not None:
+            continue  # (no expansion before it; not a depthwise convolution)
+        expanded, anchor, first, ek = found
         alone = DwGemmKernel(dk.name, dk.ops, dk, None, "", (), 0, threads)
         try:
-            fused = _expand(
-                graph, first.anchor, first.nodes, ek, alone, (expanded, g.anchor), first.id
-            )
+            fused = _expand(graph, anchor, first.nodes, ek, alone, (expanded, g.anchor), first.id)
         except NotFusable:
             continue
         candidates[g.id][NAME2] = fused
+
+
+def _expansion(
+    owner: Mapping[Node, Group], candidates: Mapping[int, dict[str, Any]], dk: DepthwiseKernel
+) -> tuple[Node, Node, Group, GemmKernel] | None:
+    """(the value the depthwise kernel reads, the anchor and group computing it, that
+    group's opfuse-gemm candidate) where a matmul group with one computes the depthwise
+    input."""
+    expanded = _view_base(dk.input)
+    first = owner.get(expanded)
+    if first is None or first.anchor is None:
+        return None
+    ek = candidates.get(first.id, {}).get("opfuse-gemm")
+    return (expanded, first.anchor, first, ek) if isinstance(ek, GemmKernel) else None
 
 
 def _fuse(

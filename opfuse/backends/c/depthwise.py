@@ -259,32 +259,30 @@ def render_dw_gemm(name: str, k: DwGemmKernel, project_floats: int) -> str:
             f"    const int64_t mm = (oh1 - oh0) * {g.ow};",
             f"    float *dtile = slot + {k.band_rows * g.w * c};",
         ]
-    dw_call = (
-        f"{m0}, mm, {g.h}, {g.w}, {c}, {g.oh}, {g.ow}, {g.kh}, {g.kw}, {g.sh}, {g.sw}, {g.ph}, "
-        f"{g.pw}, {g.dh}, {g.dw});"
-    )
     first_dw = 2 + len(k.expand_buffers)
-    if gk is None:  # the depthwise epilogue stores the outputs (lower/dw_gemm.NAME2)
-        if d.in_place:  # no epilogue: the depthwise rows straight into the output
-            at = next(i for i, b in enumerate(k.dw_buffers) if b.role == "out")
-            lines.append(f"    dtile = (float *)args[{first_dw + at}] + {m0} * {c};")
-        lines += [f"    opfuse_dw_tile(xs, xstride, row0, WP, dtile, {c}, {dw_call}"]
-        if not d.in_place:
-            lines += ["    {", "    float *tile = dtile;"]
-            lines += _block_epilogue(d.epilogue, d.gemm_buffer, None, first_dw, c)
-            lines.append("    }")
+    # where the depthwise rows go: the rows the matmul reads (atile) when no epilogue makes
+    # them; without the matmul (lower/dw_gemm.NAME2) and with no epilogue, the output
+    into = "dtile"
+    if gk is not None:
+        lines.append(f"    float *atile = dtile + {tm * c}, *ctile = atile + {tm * c};")
+        into = "atile" if d.in_place else "dtile"
+    elif d.in_place:
+        at = next(i for i, b in enumerate(k.dw_buffers) if b.role == "out")
+        lines.append(f"    dtile = (float *)args[{first_dw + at}] + {m0} * {c};")
+    lines.append(
+        f"    opfuse_dw_tile(xs, xstride, row0, WP, {into}, {c}, {m0}, mm, {g.h}, {g.w}, {c}, "
+        f"{g.oh}, {g.ow}, {g.kh}, {g.kw}, {g.sh}, {g.sw}, {g.ph}, {g.pw}, {g.dh}, {g.dw});"
+    )
+    if not d.in_place:  # the depthwise epilogue: dtile -> the rows the matmul reads, or
+        # (without the matmul) the outputs
+        stored = (k.rows_value, "atile") if gk is not None else None
+        lines += ["    {", "    float *tile = dtile;"]
+        lines += _block_epilogue(d.epilogue, d.gemm_buffer, stored, first_dw, c)
+        lines.append("    }")
+    if gk is None:
         lines += ["  }", "  return err;", "}"]
         return "\n".join(lines) + "\n"
     n = gk.spec.n
-    lines += [
-        f"    float *atile = dtile + {tm * c}, *ctile = atile + {tm * c};",
-        f"    opfuse_dw_tile(xs, xstride, row0, WP, {'atile' if d.in_place else 'dtile'}, {c}, "
-        f"{dw_call}",
-    ]
-    if not d.in_place:  # the depthwise epilogue: dtile -> the rows the matmul reads
-        lines += ["    {", "    float *tile = dtile;"]
-        lines += _block_epilogue(d.epilogue, d.gemm_buffer, (k.rows_value, "atile"), first_dw, c)
-        lines.append("    }")
     lines.append("    {")
     buffers = tile_buffers(gk.epilogue, gk.gemm_buffer, gk.in_place, first=first)
     lines += ["  " + line for line in buffers]
