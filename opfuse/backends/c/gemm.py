@@ -274,33 +274,44 @@ static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
 #endif
 }
 
-/* The strips of rows i0 .. mm over one panel, as opfuse_gemm_strip: full strips, then the
-   last rows, each count a constant of its own (registers, as for full strips). */
-#define OPFUSE_ROWS(i0, ranged, kb, ke, load)                                              \
+/* The strips of rows i0 .. mm over one panel, as opfuse_gemm_strip: full strips of mr
+   rows, then the last rows, each count a constant of its own (registers, as for full
+   strips; counts of mr or more never occur and compile to nothing). */
+#define OPFUSE_ROWS(i0, mr, ranged, kb, ke, load)                                          \
   do {                                                                                   \
     int i_ = (i0);                                                                       \
-    for (; i_ + OPFUSE_MR <= mm; i_ += OPFUSE_MR)                                        \
-      opfuse_gemm_strip(a + i_ * lda, lda, panel, c + i_ * ldc, ldc, OPFUSE_MR, w, ranged, \
+    for (; i_ + (mr) <= mm; i_ += (mr))                                                  \
+      opfuse_gemm_strip(a + i_ * lda, lda, panel, c + i_ * ldc, ldc, (mr), w, ranged,    \
                         kb, ke, load, halves, panel, 0);                                 \
     const float *restrict at_ = a + i_ * lda;                                            \
     float *restrict ct_ = c + i_ * ldc;                                                  \
     switch (mm - i_) {                                                                   \
-      case 1: OPFUSE_TAIL(1, ranged, kb, ke, load); break;                               \
-      case 2: OPFUSE_TAIL(2, ranged, kb, ke, load); break;                               \
-      case 3: OPFUSE_TAIL(3, ranged, kb, ke, load); break;                               \
-      case 4: OPFUSE_TAIL(4, ranged, kb, ke, load); break;                               \
-      case 5: OPFUSE_TAIL(5, ranged, kb, ke, load); break;                               \
+      case 1: OPFUSE_TAIL(1, mr, ranged, kb, ke, load); break;                           \
+      case 2: OPFUSE_TAIL(2, mr, ranged, kb, ke, load); break;                           \
+      case 3: OPFUSE_TAIL(3, mr, ranged, kb, ke, load); break;                           \
+      case 4: OPFUSE_TAIL(4, mr, ranged, kb, ke, load); break;                           \
+      case 5: OPFUSE_TAIL(5, mr, ranged, kb, ke, load); break;                           \
       default: break;                                                                    \
     }                                                                                    \
   } while (0)
-#define OPFUSE_TAIL(r, ranged, kb, ke, load) \
+#define OPFUSE_TAIL(r, mr, ranged, kb, ke, load) \
+  if ((r) < (mr))                                \
   opfuse_gemm_strip(at_, lda, panel, ct_, ldc, r, w, ranged, kb, ke, load, halves, panel, 0)
 
 /* A panel of few strips over a long K (a linear at a small batch: 8x4096 @ 4096x4096),
    OPFUSE_KC k at a time, every strip over each range, the sums kept in c between ranges:
    whole, the panel (512 KiB at K = 4096) left L2 before the next strip or pass came back
    to it, which read it from L3 (8x4096x4096 on a Zen 2, two threads: 5.86 ms whole, 5.55
-   in ranges). */
+   in ranges). The first strip over a range reads it from memory: without AVX-512 the
+   strips here are of 3 rows over all 4 vectors of the panel, so that each k's two lines
+   are read together (a 6-row strip's two passes read every other line, then the rest;
+   Zen 2, weights cycled from memory: 8x4096x4096 0.93-0.95x the time, 4 rows 0.72x, 6
+   and 12 rows 0.85x, the order of every sum the same). */
+#if OPFUSE_VW == 16
+#define OPFUSE_RANGE_MR OPFUSE_MR
+#else
+#define OPFUSE_RANGE_MR 3
+#endif
 __attribute__((optimize("fp-contract=fast"), always_inline))
 static inline void opfuse_gemm_ranges(const float *restrict a, int64_t lda,
                                       const float *restrict panel, float *restrict c,
@@ -309,7 +320,7 @@ static inline void opfuse_gemm_ranges(const float *restrict a, int64_t lda,
      end had gcc unroll its blocks whole, 1.6x the time of 2x1024x512 */
   for (int64_t kb = 0; kb < K; kb += OPFUSE_KC) {
     const int64_t ke = kb + OPFUSE_KC < K ? kb + OPFUSE_KC : K;
-    OPFUSE_ROWS(0, 1, kb, ke, kb > 0);
+    OPFUSE_ROWS(0, OPFUSE_RANGE_MR, 1, kb, ke, kb > 0);
   }
 }
 
@@ -351,10 +362,11 @@ static inline void opfuse_gemm_panel(const float *restrict a, int64_t lda,
   }
   /* the rest in a loop of its own: strips called with the constant step 0 compile
      without the prefetch (a run-time step in every strip made large-M GEMMs 2-5% slower) */
-  OPFUSE_ROWS(i0, 0, 0, K, 0);
+  OPFUSE_ROWS(i0, OPFUSE_MR, 0, 0, K, 0);
 }
 #undef OPFUSE_ROWS
 #undef OPFUSE_TAIL
+#undef OPFUSE_RANGE_MR
 
 /* B[k, j] (at b + k*sk + j*sn) for j < nn packed into panels of 32 columns, K x 32 each,
    zero beyond nn: a B the graph computes (attention's K and V), packed per tile and call. */
