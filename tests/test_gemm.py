@@ -162,9 +162,9 @@ def test_sums_follow_the_documented_order_bit_for_bit(m: int, k: int, n: int) ->
     """Full strips of 6 rows, the last rows (a count of their own; up to 3 of them in one
     pass over a panel), a panel's spare columns, strips that ask the next panel into cache,
     few strips over a long K taken 512 k at a time (the sums kept in the output between
-    ranges, the last range shorter than a block; strips of 3 rows without AVX-512): each result equals the documented order
-    exactly. (It did not when gcc split the FMA into a multiply and an add in a function
-    the strips were inlined into.)"""
+    ranges, the last range shorter than a block; strips of 3 rows without AVX-512): each
+    result equals the documented order exactly. (It did not when gcc split the FMA into a
+    multiply and an add in a function the strips were inlined into.)"""
     torch.manual_seed(k)
     w, x = torch.randn(k, n), torch.randn(m, k)
     fast = _compiled(Fn(lambda t: t @ w), x)

@@ -190,8 +190,9 @@ def test_the_filters_transform_is_lavin_and_grays() -> None:
     g = torch.tensor([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]], dtype=torch.float64)
     u = (g @ w.double() @ g.T).float()  # [40, 6, 4, 4]
     ocp = 64
-    panels = packed[: 16 * 6 * ocp].reshape(16, ocp // 32, 6, 32)
-    k = panels.permute(0, 2, 1, 3).reshape(16, 6, ocp)  # [xi, C, OCP]
+    # panels of 32 channels: the first 16 for every input channel, then the other 16
+    panels = packed[: 16 * 6 * ocp].reshape(16, ocp // 32, 2, 6, 16)
+    k = panels.permute(0, 3, 1, 2, 4).reshape(16, 6, ocp)  # [xi, C, OCP]
     assert torch.equal(k[:, :, :40], u.permute(2, 3, 1, 0).reshape(16, 6, 40))
     assert not k[:, :, 40:].any()
     rest = packed[16 * 6 * ocp :]

@@ -43,8 +43,11 @@ typedef void (*opfuse_sgemm_t)(const char *, const char *, const int *, const in
 # AVX-512 the strip takes the panel in two passes of 16 columns, its 12 sums in 8-float
 # vectors: AVX2's 16 registers could not hold a pass of 32 columns, and gcc spilled every
 # sum (a Zen 2 core: 2.3 GF/s at 128x768x768, MKL 75, two passes 93). B comes
-# packed at compile time, panel by panel, K x 32 floats each (zero beyond the matrix): each
-# k reads two vectors of B and broadcasts 6 numbers of A. Products are summed in
+# packed at compile time, panel by panel, K x 32 floats each (zero beyond the matrix), a
+# panel's columns 0-15 for every k, then its columns 16-31 (pack_panels): each k reads
+# two vectors of B and broadcasts 6 numbers of A, and each of AVX2's passes reads K x 16
+# floats in a row where rows of 32 had it read every other line (a Zen 2, 1008x768x3072
+# alone: 0.96-0.97x the time). Products are summed in
 # three levels -- 32 k in registers, 8 such blocks, then those sums in order -- which keeps
 # each chain short: against float64, its max error was never above MKL's in 250 random
 # linears (docs/numerics.md). GNU C vectors, not intrinsics: any target gcc vectorises for;
@@ -84,17 +87,22 @@ OWN_GEMM = r"""
 #define OPFUSE_MADD(acc, s, b) ((acc) += (s) * (b))
 #endif
 
+/* Vector v (of OPFUSE_VW floats) of a panel's row k: columns 0-15 of every k come first,
+   then columns 16-31, hs (K x 16) floats further on. */
+#define OPFUSE_PANEL_AT(bp, hs, k, v) \
+  ((bp) + ((v) * OPFUSE_VW / 16) * (hs) + (k) * 16 + (v) * OPFUSE_VW % 16)
+
 /* acc[i] += a[i, k] * B[k] over k in [k0, k1), for i < rows, over `halves` vectors of
-   the panel's columns from bp on: called with rows and halves constants, so that gcc
-   unrolls the rows and keeps acc in registers. */
+   the panel's columns from bp on (vectors 0 and 1 of OPFUSE_PANEL_AT): called with rows and
+   halves constants, so that gcc unrolls the rows and keeps acc in registers. */
 __attribute__((optimize("fp-contract=fast"), always_inline))
 static inline void opfuse_gemm_block(opfuse_vec acc[OPFUSE_MR][2], const float *restrict a,
-                                     int64_t lda, const float *restrict bp, int64_t k0,
-                                     int64_t k1, int rows, int halves) {
+                                     int64_t lda, const float *restrict bp, int64_t hs,
+                                     int64_t k0, int64_t k1, int rows, int halves) {
   for (int64_t k = k0; k < k1; k++) {
     opfuse_vec b0, b1 = {0};  /* memcpy: no alignment assumed of the packed buffer */
-    memcpy(&b0, bp + k * 32, sizeof b0);
-    if (halves == 2) memcpy(&b1, bp + k * 32 + OPFUSE_VW, sizeof b1);
+    memcpy(&b0, OPFUSE_PANEL_AT(bp, hs, k, 0), sizeof b0);
+    if (halves == 2) memcpy(&b1, OPFUSE_PANEL_AT(bp, hs, k, 1), sizeof b1);
     #pragma GCC unroll 6
     for (int i = 0; i < rows; i++) {
       const float av = a[i * lda + k];
@@ -113,7 +121,7 @@ static inline void opfuse_gemm_block(opfuse_vec acc[OPFUSE_MR][2], const float *
    block of 32 k it asks pf_step lines from pf on into L2 (0: none). */
 __attribute__((optimize("fp-contract=fast"), always_inline))
 static inline void opfuse_gemm_pass(const float *restrict a, int64_t lda,
-                                    const float *restrict bp, float *restrict c,
+                                    const float *restrict bp, int64_t hs, float *restrict c,
                                     int64_t ldc, int rows, int w, int64_t K, int halves,
                                     const float *pf, int pf_step) {
   opfuse_vec s[OPFUSE_MR][2], mid[OPFUSE_MR][2], acc[OPFUSE_MR][2];
@@ -123,7 +131,7 @@ static inline void opfuse_gemm_pass(const float *restrict a, int64_t lda,
   if (K <= 32) {
     /* one block: its sums are the result (adding them to zeros cost a fifth of the
        strip at K = 16; an exact zero sum may come out -0 instead of +0) */
-    opfuse_gemm_block(s, a, lda, bp, 0, K, rows, halves);
+    opfuse_gemm_block(s, a, lda, bp, hs, 0, K, rows, halves);
     K = 0;
   }
   for (int64_t k0 = 0; k0 < K; k0 += 32) {
@@ -132,7 +140,7 @@ static inline void opfuse_gemm_pass(const float *restrict a, int64_t lda,
     for (int i = 0; i < OPFUSE_MR; i++) acc[i][0] = acc[i][1] = zero;
     for (int j = 0; j < pf_step; j++) __builtin_prefetch(pf + j * 16, 0, 2);
     pf += pf_step * 16;
-    opfuse_gemm_block(acc, a, lda, bp, k0, k1, rows, halves);
+    opfuse_gemm_block(acc, a, lda, bp, hs, k0, k1, rows, halves);
     #pragma GCC unroll 6
     for (int i = 0; i < OPFUSE_MR; i++) {
       mid[i][0] += acc[i][0];
@@ -165,12 +173,12 @@ static inline void opfuse_gemm_pass(const float *restrict a, int64_t lda,
 __attribute__((optimize("fp-contract=fast"), always_inline))
 static inline void opfuse_gemm_block_nv(opfuse_vec acc[OPFUSE_MR][OPFUSE_NV],
                                         const float *restrict a, int64_t lda,
-                                        const float *restrict bp, int64_t k0, int64_t k1,
-                                        int rows, int nv) {
+                                        const float *restrict bp, int64_t hs, int64_t k0,
+                                        int64_t k1, int rows, int nv) {
   for (int64_t k = k0; k < k1; k++) {
     opfuse_vec b[OPFUSE_NV];
     #pragma GCC unroll 4
-    for (int v = 0; v < nv; v++) memcpy(&b[v], bp + k * 32 + v * OPFUSE_VW, sizeof b[v]);
+    for (int v = 0; v < nv; v++) memcpy(&b[v], OPFUSE_PANEL_AT(bp, hs, k, v), sizeof b[v]);
     #pragma GCC unroll 6
     for (int i = 0; i < rows; i++) {
       const float av = a[i * lda + k];
@@ -188,7 +196,7 @@ static inline void opfuse_gemm_block_nv(opfuse_vec acc[OPFUSE_MR][OPFUSE_NV],
    on a Zen 2: 1.4-1.8x the time). */
 __attribute__((optimize("fp-contract=fast"), always_inline))
 static inline void opfuse_gemm_range(const float *restrict a, int64_t lda,
-                                     const float *restrict bp, float *restrict c,
+                                     const float *restrict bp, int64_t hs, float *restrict c,
                                      int64_t ldc, int rows, int w, int64_t kb, int64_t ke,
                                      int load, int nv) {
   opfuse_vec s[OPFUSE_MR][OPFUSE_NV], mid[OPFUSE_MR][OPFUSE_NV], acc[OPFUSE_MR][OPFUSE_NV];
@@ -212,7 +220,7 @@ static inline void opfuse_gemm_range(const float *restrict a, int64_t lda,
     for (int i = 0; i < OPFUSE_MR; i++)
       #pragma GCC unroll 4
       for (int v = 0; v < nv; v++) acc[i][v] = zero;
-    opfuse_gemm_block_nv(acc, a, lda, bp, k0, k1, rows, nv);
+    opfuse_gemm_block_nv(acc, a, lda, bp, hs, k0, k1, rows, nv);
     #pragma GCC unroll 6
     for (int i = 0; i < OPFUSE_MR; i++)
       #pragma GCC unroll 4
@@ -249,27 +257,29 @@ static inline void opfuse_gemm_range(const float *restrict a, int64_t lda,
    order every way. */
 __attribute__((optimize("fp-contract=fast"), always_inline))
 static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
-                                     const float *restrict bp, float *restrict c,
+                                     const float *restrict bp, int64_t hs, float *restrict c,
                                      int64_t ldc, int rows, int w, int ranged, int64_t kb,
                                      int64_t ke, int load, int halves, const float *pf,
                                      int pf_step) {
 #if OPFUSE_VW == 16
   if (ranged)
-    opfuse_gemm_range(a, lda, bp, c, ldc, rows, w, kb, ke, load, halves);
+    opfuse_gemm_range(a, lda, bp, hs, c, ldc, rows, w, kb, ke, load, halves);
   else
-    opfuse_gemm_pass(a, lda, bp, c, ldc, rows, w, ke, halves, pf, pf_step);
+    opfuse_gemm_pass(a, lda, bp, hs, c, ldc, rows, w, ke, halves, pf, pf_step);
 #else
   if (rows <= 3 && halves == 2) {
     /* each sum waits on the FMA before it: two passes of few sums waited twice as long
        (8x1024x512 on a Zen 2: the strip of 2 rows cost 0.6 of the strip of 6, one range
        of 4 vectors 0.35) */
-    opfuse_gemm_range(a, lda, bp, c, ldc, rows, w, kb, ke, load, 4);
+    opfuse_gemm_range(a, lda, bp, hs, c, ldc, rows, w, kb, ke, load, 4);
   } else if (ranged) {
-    opfuse_gemm_range(a, lda, bp, c, ldc, rows, w < 16 ? w : 16, kb, ke, load, 2);
-    if (halves == 2) opfuse_gemm_range(a, lda, bp + 16, c + 16, ldc, rows, w - 16, kb, ke, load, 2);
+    opfuse_gemm_range(a, lda, bp, hs, c, ldc, rows, w < 16 ? w : 16, kb, ke, load, 2);
+    if (halves == 2)
+      opfuse_gemm_range(a, lda, bp + hs, hs, c + 16, ldc, rows, w - 16, kb, ke, load, 2);
   } else {
-    opfuse_gemm_pass(a, lda, bp, c, ldc, rows, w < 16 ? w : 16, ke, 2, pf, pf_step);
-    if (halves == 2) opfuse_gemm_pass(a, lda, bp + 16, c + 16, ldc, rows, w - 16, ke, 2, pf, 0);
+    opfuse_gemm_pass(a, lda, bp, hs, c, ldc, rows, w < 16 ? w : 16, ke, 2, pf, pf_step);
+    if (halves == 2)
+      opfuse_gemm_pass(a, lda, bp + hs, hs, c + 16, ldc, rows, w - 16, ke, 2, pf, 0);
   }
 #endif
 }
@@ -281,8 +291,8 @@ static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
   do {                                                                                   \
     int i_ = (i0);                                                                       \
     for (; i_ + (mr) <= mm; i_ += (mr))                                                  \
-      opfuse_gemm_strip(a + i_ * lda, lda, panel, c + i_ * ldc, ldc, (mr), w, ranged,    \
-                        kb, ke, load, halves, panel, 0);                                 \
+      opfuse_gemm_strip(a + i_ * lda, lda, panel, K * 16, c + i_ * ldc, ldc, (mr), w,    \
+                        ranged, kb, ke, load, halves, panel, 0);                         \
     const float *restrict at_ = a + i_ * lda;                                            \
     float *restrict ct_ = c + i_ * ldc;                                                  \
     switch (mm - i_) {                                                                   \
@@ -296,7 +306,8 @@ static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
   } while (0)
 #define OPFUSE_TAIL(r, mr, ranged, kb, ke, load) \
   if ((r) < (mr))                                \
-  opfuse_gemm_strip(at_, lda, panel, ct_, ldc, r, w, ranged, kb, ke, load, halves, panel, 0)
+  opfuse_gemm_strip(at_, lda, panel, K * 16, ct_, ldc, r, w, ranged, kb, ke, load, halves, \
+                    panel, 0)
 
 /* A panel of few strips over a long K (a linear at a small batch: 8x4096 @ 4096x4096),
    OPFUSE_KC k at a time, every strip over each range, the sums kept in c between ranges:
@@ -357,8 +368,8 @@ static inline void opfuse_gemm_panel(const float *restrict a, int64_t lda,
     const int64_t share = (2 * K + strips - 1) / strips, blocks = (K + 31) / 32;
     const int step = (int)((share + blocks - 1) / blocks);
     for (; i0 + OPFUSE_MR <= mm; i0 += OPFUSE_MR)
-      opfuse_gemm_strip(a + i0 * lda, lda, panel, c + i0 * ldc, ldc, OPFUSE_MR, w, 0, 0, K, 0,
-                        halves, next + (i0 / OPFUSE_MR) * share * 16, step);
+      opfuse_gemm_strip(a + i0 * lda, lda, panel, K * 16, c + i0 * ldc, ldc, OPFUSE_MR, w, 0,
+                        0, K, 0, halves, next + (i0 / OPFUSE_MR) * share * 16, step);
   }
   /* the rest in a loop of its own: strips called with the constant step 0 compile
      without the prefetch (a run-time step in every strip made large-M GEMMs 2-5% slower) */
@@ -368,8 +379,9 @@ static inline void opfuse_gemm_panel(const float *restrict a, int64_t lda,
 #undef OPFUSE_TAIL
 #undef OPFUSE_RANGE_MR
 
-/* B[k, j] (at b + k*sk + j*sn) for j < nn packed into panels of 32 columns, K x 32 each,
-   zero beyond nn: a B the graph computes (attention's K and V), packed per tile and call. */
+/* B[k, j] (at b + k*sk + j*sn) for j < nn packed into panels of 32 columns, K x 32 each
+   (columns 0-15 of every k, then 16-31: OPFUSE_PANEL_AT), zero beyond nn: a B the graph
+   computes (attention's K and V), packed per tile and call. */
 static void opfuse_gemm_pack(const float *restrict b, int64_t sk, int64_t sn,
                              float *restrict bp, int64_t K, int nn) {
   for (int p = 0; p * 32 < nn; p++) {
@@ -377,11 +389,14 @@ static void opfuse_gemm_pack(const float *restrict b, int64_t sk, int64_t sn,
     float *restrict dst = bp + (int64_t)p * K * 32;
     const float *restrict src = b + (int64_t)p * 32 * sn;
     if (sn == 1) {
-      for (int64_t k = 0; k < K; k++)
-        for (int j = 0; j < 32; j++) dst[k * 32 + j] = j < w ? src[k * sk + j] : 0.0f;
+      for (int h = 0; h < 2; h++)
+        for (int64_t k = 0; k < K; k++)
+          for (int j = h * 16; j < h * 16 + 16; j++)
+            dst[h * K * 16 + k * 16 + j % 16] = j < w ? src[k * sk + j] : 0.0f;
     } else {  /* B transposed: walk each column of B (a row of its storage) */
       for (int j = 0; j < 32; j++)
-        for (int64_t k = 0; k < K; k++) dst[k * 32 + j] = j < w ? src[j * sn + k * sk] : 0.0f;
+        for (int64_t k = 0; k < K; k++)
+          dst[j / 16 * K * 16 + k * 16 + j % 16] = j < w ? src[j * sn + k * sk] : 0.0f;
     }
   }
 }
@@ -590,17 +605,23 @@ class OwnPack:
         buf = weight_buffer(self.total)
         for n0, off in zip(range(0, self.n, self.tile_n), self.offsets):
             nn = min(self.tile_n, self.n - n0)
-            full, rest = divmod(nn, OWN_NR)
-            size = self.k * OWN_NR
-            if full:  # the whole panels in one copy
-                block = buf[off : off + full * size].view(full, self.k, OWN_NR)
-                panels = b[:, n0 : n0 + full * OWN_NR].reshape(self.k, full, OWN_NR)
-                block.copy_(panels.transpose(0, 1))
-            if rest:
-                tail = buf[off + full * size : off + (full + 1) * size].view(self.k, OWN_NR)
-                tail[:, rest:] = 0
-                tail[:, :rest] = b[:, n0 + full * OWN_NR : n0 + nn]
+            size = -(-nn // OWN_NR) * self.k * OWN_NR
+            buf[off : off + size].view(-1, self.k, OWN_NR).copy_(panels(b[:, n0 : n0 + nn]))
         return buf
+
+
+def panels(b: torch.Tensor) -> torch.Tensor:
+    """[..., K, N] as opfuse's GEMM reads it packed: [..., panels, K, 32], N zero-padded to
+    whole panels of 32 columns, each panel's columns 0-15 for every k, then its columns
+    16-31 (OPFUSE_PANEL_AT in OWN_GEMM)."""
+    *lead, k, n = b.shape
+    p = -(-n // OWN_NR)
+    if n % OWN_NR:
+        b = torch.nn.functional.pad(b, (0, p * OWN_NR - n))
+    half = OWN_NR // 2
+    at = len(lead)
+    halves = b.reshape(*lead, k, p, 2, half).permute(*range(at), at + 1, at + 2, at, at + 3)
+    return halves.reshape(*lead, p, k, OWN_NR)
 
 
 def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> str:
