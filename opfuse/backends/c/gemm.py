@@ -606,22 +606,25 @@ class OwnPack:
         for n0, off in zip(range(0, self.n, self.tile_n), self.offsets):
             nn = min(self.tile_n, self.n - n0)
             size = -(-nn // OWN_NR) * self.k * OWN_NR
-            buf[off : off + size].view(-1, self.k, OWN_NR).copy_(panels(b[:, n0 : n0 + nn]))
+            pack_panels(b[:, n0 : n0 + nn], buf[off : off + size])
         return buf
 
 
-def panels(b: torch.Tensor) -> torch.Tensor:
-    """[..., K, N] as opfuse's GEMM reads it packed: [..., panels, K, 32], N zero-padded to
-    whole panels of 32 columns, each panel's columns 0-15 for every k, then its columns
-    16-31 (OPFUSE_PANEL_AT in OWN_GEMM)."""
+def pack_panels(b: torch.Tensor, out: torch.Tensor) -> None:
+    """Write [..., K, N] into `out` (contiguous, [..., panels, K, 32] elements) as opfuse's
+    GEMM reads it: N zero-padded to whole panels of 32 columns, each panel's columns 0-15
+    for every k, then its columns 16-31 (OPFUSE_PANEL_AT in OWN_GEMM)."""
     *lead, k, n = b.shape
-    p = -(-n // OWN_NR)
-    if n % OWN_NR:
-        b = torch.nn.functional.pad(b, (0, p * OWN_NR - n))
-    half = OWN_NR // 2
-    at = len(lead)
-    halves = b.reshape(*lead, k, p, 2, half).permute(*range(at), at + 1, at + 2, at, at + 3)
-    return halves.reshape(*lead, p, k, OWN_NR)
+    full, rest = divmod(n, OWN_NR)
+    at, half = len(lead), OWN_NR // 2
+    # out as [..., k, panel, half, column]
+    dst = out.view(*lead, full + (rest > 0), 2, k, half)
+    dst = dst.permute(*range(at), at + 2, at, at + 1, at + 3)
+    if full:
+        dst[..., :full, :, :].copy_(b[..., : full * OWN_NR].reshape(*lead, k, full, 2, half))
+    if rest:
+        tail = torch.nn.functional.pad(b[..., full * OWN_NR :], (0, OWN_NR - rest))
+        dst[..., full, :, :].copy_(tail.reshape(*lead, k, 2, half))
 
 
 def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> str:

@@ -28,7 +28,7 @@ import torch
 from ...lower.depthwise import DepthwiseKernel
 from ...lower.epilogue import TILE_COL, TILE_ROW
 from ...runtime.heap import weight_buffer
-from .gemm import panels, tile_buffers, tile_epilogue
+from .gemm import pack_panels, tile_buffers, tile_epilogue
 
 # The transforms of F(2x2, 3x3) (Lavin and Gray): filters by G, inputs by B^T, outputs by A^T.
 _G = ((1.0, 0.0, 0.0), (0.5, 0.5, 0.5), (0.5, -0.5, 0.5), (0.0, 0.0, 1.0))
@@ -165,12 +165,13 @@ def pack_winograd(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tens
     u = torch.einsum("ai,ocij,bj->abco", g, weight.double(), g).float().reshape(16, c, oc)
     padded = torch.zeros(16, c, ocp, dtype=torch.float32)
     padded[:, :, :oc] = u
-    packed = panels(padded)  # [16, OCP / 32, C, 32]: panel p holds columns 32p .. 32p + 31
     b = torch.zeros(ocp, dtype=torch.float32)
     if bias is not None:
         b[:oc] = bias.reshape(-1).float()
-    parts = [packed.reshape(-1), b, weight.float().reshape(-1)]
-    return torch.cat(parts, out=weight_buffer(sum(p.numel() for p in parts)))
+    out = weight_buffer(padded.numel() + ocp + weight.numel())
+    pack_panels(padded, out[: padded.numel()])  # panel p holds columns 32p .. 32p + 31
+    torch.cat([b, weight.float().reshape(-1)], out=out[padded.numel() :])
+    return out
 
 
 def render_winograd(name: str, k: DepthwiseKernel) -> str:
