@@ -254,7 +254,8 @@ static inline void opfuse_gemm_range(const float *restrict a, int64_t lda,
    of 2 vectors: a panel's columns past w are zeros), or for at most 3 rows one range of 4
    vectors. `ranged` (a constant): k in [kb, ke) only, the sums from c's where `load`
    (opfuse_gemm_range); else all of K = ke. The sums of each output are taken in the same
-   order every way. */
+   order every way. Without AVX-512 a ranged strip is always one of at most 3 rows over a
+   full panel (opfuse_gemm_ranges, OPFUSE_RANGE_MR). */
 __attribute__((optimize("fp-contract=fast"), always_inline))
 static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
                                      const float *restrict bp, int64_t hs, float *restrict c,
@@ -272,10 +273,6 @@ static inline void opfuse_gemm_strip(const float *restrict a, int64_t lda,
        (8x1024x512 on a Zen 2: the strip of 2 rows cost 0.6 of the strip of 6, one range
        of 4 vectors 0.35) */
     opfuse_gemm_range(a, lda, bp, hs, c, ldc, rows, w, kb, ke, load, 4);
-  } else if (ranged) {
-    opfuse_gemm_range(a, lda, bp, hs, c, ldc, rows, w < 16 ? w : 16, kb, ke, load, 2);
-    if (halves == 2)
-      opfuse_gemm_range(a, lda, bp + hs, hs, c + 16, ldc, rows, w - 16, kb, ke, load, 2);
   } else {
     opfuse_gemm_pass(a, lda, bp, hs, c, ldc, rows, w < 16 ? w : 16, ke, 2, pf, pf_step);
     if (halves == 2)
@@ -571,10 +568,10 @@ def own_layout(k: GemmKernel) -> tuple[list[int], int]:
 class OwnPack:
     """How opfuse's GEMM reads one weight packed (B as the GEMM reads it, [K, N], its
     storage possibly transposed): per column tile, panels of 32 columns, K x 32 each,
-    zero-padded, at the offsets own_layout gives the rendered kernel. Equal packs of one
-    tensor are equal bytes, so the compiles of a graph per size share one packed copy
-    (runtime/execute.Packed, execute.pack_frozen) instead of one each (BERT-base: 340 MB
-    per size)."""
+    zero-padded (pack_panels), at the offsets own_layout gives the rendered kernel. Equal
+    packs of one tensor are equal bytes, so the compiles of a graph per size share one
+    packed copy (runtime/execute.Packed, execute.pack_frozen) instead of one each
+    (BERT-base: 340 MB per size)."""
 
     k: int
     n: int

@@ -163,14 +163,13 @@ def pack_winograd(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tens
     ocp = -(-oc // 32) * 32
     g = torch.tensor(_G, dtype=torch.float64)
     u = torch.einsum("ai,ocij,bj->abco", g, weight.double(), g).float().reshape(16, c, oc)
-    padded = torch.zeros(16, c, ocp, dtype=torch.float32)
-    padded[:, :, :oc] = u
     b = torch.zeros(ocp, dtype=torch.float32)
     if bias is not None:
         b[:oc] = bias.reshape(-1).float()
-    out = weight_buffer(padded.numel() + ocp + weight.numel())
-    pack_panels(padded, out[: padded.numel()])  # panel p holds columns 32p .. 32p + 31
-    torch.cat([b, weight.float().reshape(-1)], out=out[padded.numel() :])
+    size = 16 * c * ocp
+    out = weight_buffer(size + ocp + weight.numel())
+    pack_panels(u, out[:size])  # panel p holds columns 32p .. 32p + 31, zeros past OC
+    torch.cat([b, weight.float().reshape(-1)], out=out[size:])
     return out
 
 
