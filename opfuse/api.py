@@ -26,6 +26,8 @@ from .pipeline import CompiledGraph, compile_graph, warn_once
 from .report.make import count_kernels
 from .report.tables import FusionReport, RejectReport
 from .runtime.heap import collector_paused
+from .runtime.sized import differences, serve
+from .settings import flag
 
 log = logging.getLogger("opfuse")
 
@@ -91,6 +93,7 @@ class _Entry:
     captured: Captured
     compiled: CompiledGraph | None  # None: compiling failed, torch.compile runs this one
     report: FusionReport
+    family: Family | None = None  # the export with symbolic sizes it was captured from
 
 
 def _as_args(example_inputs: Any) -> tuple[Any, ...]:
@@ -338,13 +341,45 @@ class CompiledModule(torch.nn.Module):
             message = _fallback_message(e)
             warn_once(message)
             compiled, report = None, FusionReport(warnings=[message])
-        entry = _Entry(captured, compiled, report)
+        entry = _Entry(captured, compiled, report, family if captured.dynamic else None)
         if not self._entries:
             self._first = entry
         self._entries[sig] = entry
         self._watch = ParameterWatch(model, self._frozen())
         self._watch_modes(model)
         return entry
+
+    def _serve(self, family: Family, leaves: list[Any], sig: Any) -> _Entry | None:
+        """These inputs served by an earlier compile from `family` whose decisions hold at
+        their sizes (runtime/sized.py): no capture, no compile."""
+        if family.asserts():
+            return None
+        values = family.values(leaves)
+        tried: set[int] = set()
+        for e in reversed(self._entries.values()):
+            c = e.compiled
+            if e.family is not family or c is None or id(c.decisions) in tried:
+                continue
+            tried.add(id(c.decisions))
+            served = serve(c, values)
+            if served is None:
+                continue
+            try:
+                spec = family.out_spec(leaves)
+            except CaptureError:
+                return None  # (a size the model returns has no value here: captured, fails)
+            captured = dataclasses.replace(e.captured, out_spec=spec)
+            if flag("OPFUSE_CHECK_SERVED"):
+                fresh = compile_graph(family.capture(leaves).graph, self._options)
+                problem = differences(served, fresh)
+                if problem is not None:
+                    raise AssertionError(
+                        f"opfuse: a served size differs from its compile: {problem}"
+                    )
+            entry = _Entry(captured, served, served.report, family)
+            self._entries[sig] = entry
+            return entry
+        return None
 
     def _share_state(self, captured: Captured) -> Captured:
         """The buffers the graph updates, one copy for every compiled signature."""
@@ -530,8 +565,9 @@ class CompiledModule(torch.nn.Module):
                         return self.__dict__["_model"](*args, **kwargs)
                     if sig in self._untraceable:
                         return self._through_dynamo(*args, **kwargs)
+                    kept = self._serve(family, leaves, sig) if family is not None else None
                     try:
-                        entry = self._compile(args, kwargs, family)
+                        entry = kept or self._compile(args, kwargs, family)
                     except CaptureError as e:
                         # as for the first compile: torch.compile runs what export cannot
                         # trace (data-dependent control flow at these sizes), and raises

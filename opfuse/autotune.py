@@ -32,7 +32,7 @@ from .decisions import (
 from .fusion.groups import Group, Partition
 from .ir.graph import CONSTANT, INPUT, Graph, GraphBuilder, Node, TensorMeta
 from .ir.ops import Kind, info
-from .ir.size import symbolic_text
+from .ir.size import symbolic_text, undecided
 from .ir.uses import used_outside
 from .runtime.execute import Runtime
 from .runtime.heap import release_freed_memory
@@ -376,7 +376,8 @@ def tune(
                 if not cands:
                     continue  # every library refused: torch runs the group
                 cands = {k: _donation_checked(graph, g.nodes, b) for k, b in cands.items()}
-                d = choose(graph, g, cands, key, _sub_runtime, noise)
+                with undecided():  # (a cost: every candidate computes any size)
+                    d = choose(graph, g, cands, key, _sub_runtime, noise)
             assert d is not None
             log.debug("group %d (%s): %s", g.id, g.pattern, d.describe())
             decisions[g.id] = d
@@ -439,9 +440,10 @@ def _pair(
         if remembered is not None:
             d = remembered
         else:
-            d = _time_pair(
-                graph, [groups[i] for i in ids], [built.get(i) for i in ids], fused, noise
-            )
+            with undecided():
+                d = _time_pair(
+                    graph, [groups[i] for i in ids], [built.get(i) for i in ids], fused, noise
+                )
             save_decision(key, d)
     if d.choice == name:
         built[last] = fused

@@ -24,7 +24,7 @@ import logging
 import time
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .autotune import tune
@@ -37,6 +37,7 @@ from .fusion.groups import Partition, check_partition
 from .fusion.partition import Fuel, partition
 from .ir import scalar
 from .ir.graph import Graph, size_symbols
+from .ir.size import Decisions, deciding
 from .lower.groups import Lowered, lower_groups
 from .lower.lowering import why_not_lowered
 from .options import Options
@@ -44,9 +45,10 @@ from .report.make import make_report
 from .report.tables import FoldReport, FusionReport, RejectReport
 from .rewrite import cleanup
 from .rewrite.passes import REWRITES
-from .runtime.execute import Runtime
+from .runtime.execute import Plan, Runtime
 from .runtime.heap import collector_paused, release_freed_memory
 from .runtime.plan import build_plan, copied
+from .runtime.sized import plan_at
 
 log = logging.getLogger("opfuse")
 
@@ -59,6 +61,12 @@ class CompiledGraph:
     run: Runtime
     report: FusionReport
     source: str
+    # A graph with symbolic sizes: the decisions its compile took from their values, and
+    # the symbols' values it was compiled at (runtime/sized.py serves other values with it)
+    decisions: Decisions | None = None
+    values: dict[str, int] = field(default_factory=dict)
+    generic: bool = False  # its kernels take every Size as an argument (Module.generic)
+    template: Plan | None = None  # the plan with its Sizes (`run` runs it evaluated)
 
     def __call__(self, inputs: list[Any]) -> list[Any]:
         return self.run(inputs)
@@ -102,8 +110,15 @@ def compile_graphs(
     kernels are built as one library (the static regions of a graph with symbolic sizes:
     one compiler run, the kernels their layers repeat built once)."""
     opts = options or Options()
-    with collector_paused(), scalar.sized(size_symbols(graphs)):
-        return _compile_graphs(graphs, opts, eager_kernels)
+    symbols = size_symbols(graphs)
+    with collector_paused(), scalar.sized(symbols), deciding() as decisions:
+        out = _compile_graphs(graphs, opts, eager_kernels)
+    if symbols:
+        values = dict(symbols)
+        for c in out:
+            c.decisions, c.values, c.template = decisions, values, c.run.plan
+            c.run = Runtime(plan_at(c.template, values))
+    return out
 
 
 def _compile_graphs(
@@ -164,6 +179,7 @@ def _back(f: _Front, module: Module, eager_kernels: int | None, t0: float) -> Co
     if opts.debug_dir:
         dump(ctx, module.source, report, triton)
     compiled = CompiledGraph(graph, Runtime(plan), report, module.source)
+    compiled.generic = module.generic
     release_freed_memory()
     return compiled
 

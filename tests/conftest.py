@@ -24,6 +24,9 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "opfuse"))
 os.environ.setdefault("OPFUSE_CACHE_DIR", tempfile.mkdtemp(prefix="opfuse-test-cache-"))
 # Every rewritten graph is checked (ir/verify.py): a pass that breaks one fails where it does.
 os.environ.setdefault("OPFUSE_VERIFY", "1")
+# Every size a compile serves at others' sizes is compiled too and compared (runtime/
+# sized.py): a decision the compile took from a size without recording it fails there.
+os.environ.setdefault("OPFUSE_CHECK_SERVED", "1")
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 

@@ -51,6 +51,9 @@ class Module:
     signatures: dict[int, list[str]] = field(default_factory=dict)
     cached: bool = True
     problem: str = ""  # why nothing was built (the compiler failed)
+    # every kernel printed its Sizes as expressions of the size symbols (backends/c: a
+    # graph with symbolic sizes): the library serves any size of the graph
+    generic: bool = False
     # (group, candidate) -> the groups before it whose work that candidate does too (a
     # depthwise convolution feeding a matmul, and the matmul before it: lower/dw_gemm.py);
     # the tuner times them together

@@ -16,12 +16,16 @@ import torch
 from torch._dynamo.exc import RestartAnalysis
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from ..ir.size import PREFIX
 from ..options import Options
 from ..pipeline import CompiledGraph, compile_graph, compile_graphs, warn_once
 from ..report.make import count_kernels
 from ..report.tables import FusionReport
 from ..rewrite.fx_layout import channels_last_convolutions
 from ..runtime.heap import collector_paused
+from ..runtime.sized import differences, serve
+from ..settings import flag
+from . import sizes
 from .capture import capture_fx
 from .decompose import decompositions, keep_whole
 from .dynamic import has_symbols, install, split_static, static_share, symbols
@@ -150,6 +154,41 @@ class _GraphRunner:
             self.watches[self._key(args)] = FrozenInputs(sorted(self.frozen), given or args)
         return entry
 
+    def _serve(
+        self, args: Sequence[Any], given: Sequence[Any]
+    ) -> tuple[CompiledGraph, list[int]] | None:
+        """These sizes served by a compile of the graph at others whose decisions hold at
+        them (runtime/sized.py): no capture, no compile."""
+        if not any(e is not None and e[0].decisions for e in self.cache.values()):
+            return None
+        fx = self.gm.graph
+        if fx.find_nodes(op="call_function", target=torch.ops.aten._assert_scalar.default):
+            return None  # (what the graph asserts of its sizes is checked as it runs)
+        symbols = [n.meta.get("val") for n in fx.find_nodes(op="placeholder")]
+        values = {PREFIX + k: v for k, v in sizes.bind(symbols, args).items()}
+        tried: set[int] = set()
+        for e in list(self.cache.values()):
+            if e is None or id(e[0].decisions) in tried:
+                continue
+            tried.add(id(e[0].decisions))
+            served = serve(e[0], values)
+            if served is None:
+                continue
+            if flag("OPFUSE_CHECK_SERVED"):
+                with unset_fake_temporarily(), collector_paused():
+                    graph, _ = capture_fx(self.gm, args, self.static, self.frozen)
+                    problem = differences(served, compile_graph(graph, self.options))
+                if problem is not None:
+                    raise AssertionError(
+                        f"opfuse: a served size differs from its compile: {problem}"
+                    )
+            entry = (served, e[1])
+            self.keep(args, entry)
+            if self.frozen:
+                self.watches[self._key(args)] = FrozenInputs(sorted(self.frozen), given)
+            return entry
+        return None
+
     def keep(self, args: Sequence[Any], entry: tuple[CompiledGraph, list[int]] | None) -> None:
         """Serve calls with `args`' signature by `entry` (None: with torch)."""
         key = self._key(args)
@@ -199,7 +238,7 @@ class _GraphRunner:
         elif len(self.cache) < self.cache_limit and (
             self.budget is None or self.pooled < self.budget
         ):
-            entry = self._compile(args, given)
+            entry = self._serve(args, given) or self._compile(args, given)
         else:
             rest = (
                 "its static parts fused, the rest with torch"

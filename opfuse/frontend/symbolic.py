@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from ..ir.size import PREFIX
 from ..options import Options
 from . import sizes, structure
 from .capture import (
@@ -38,6 +39,7 @@ from .capture import (
 )
 from .dynamic import install, split_static, static_share
 
+_ASSERT = torch.ops.aten._assert_scalar.default
 DimSpec = dict[int, Any] | None  # per tensor leaf: its symbolic dims (torch.export.Dim)
 
 
@@ -139,6 +141,20 @@ class Family:
             "static regions compiled once serve every shape it admits, with no compile per "
             f"shape; {len(split.dynamic_ops)} ops sized by a symbol run with torch"
         )
+
+    def asserts(self) -> bool:
+        """Does the export assert anything of the sizes at run time (what capture checks
+        at each shape, capture._check_asserts)? Such shapes are captured, never served."""
+        gm = self.exported.program.graph_module
+        return bool(gm.graph.find_nodes(op="call_function", target=_ASSERT))
+
+    def values(self, leaves: Sequence[Any]) -> dict[str, int]:
+        """The size symbols' values at `leaves` (admitted ones), by their C names."""
+        return {PREFIX + k: v for k, v in sizes.bind(self.inputs, leaves).items()}
+
+    def out_spec(self, leaves: Sequence[Any]) -> structure.Spec:
+        """The structure of the outputs at `leaves`' sizes."""
+        return _evaluated(self.exported.spec, sizes.bind(self.inputs, leaves))
 
     def capture(self, leaves: Sequence[Any]) -> Captured:
         """The export captured at `leaves`' sizes (admitted ones)."""

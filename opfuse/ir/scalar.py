@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .size import Size
+from .size import value as size_value
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -284,7 +285,7 @@ def _sized_key(value: Any) -> Any:
     load's index it is: a head dim of 64 and a sequence length of 64 are one int, but two
     different things to print."""
     if isinstance(value, Size):
-        return (Size, int(value), value.text)
+        return (Size, size_value(value), value.text)
     if isinstance(value, tuple):
         return tuple(_sized_key(v) for v in value)
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

@@ -13,8 +13,15 @@ every printed expression evaluates, with the symbol values the kernel is passed 
 the Sizes it printed, never two for one symbol), to the value Python used. Two sizes share
 a library only when their sources are equal text, so the library computes, for each of
 them, what its own source does. Arithmetic on Sizes keeps the expression (+, -, *, //, %,
-negation); anything else (min/max return an operand; divmod, abs, bit operations) yields a
-plain int, printed as its value: correct, merely specific to that size.
+negation, divmod, abs; min/max return an operand); anything else (true division, bit
+operations) yields a plain int, printed as its value: correct, merely specific to that
+size.
+
+A compile can also serve other sizes without compiling (runtime/sized.py) when it records
+its decisions (`deciding()`): every comparison of a Size with another number, and every
+value given up (int(size), size / 2, bit operations: recorded as "equals this value"), as
+expression text and outcome. Where every recorded decision comes out the same at other
+symbol values, the compile would decide the same there.
 """
 
 from __future__ import annotations
@@ -24,11 +31,20 @@ import contextvars
 import functools
 import math
 import operator
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
+
+class Printed(dict[str, Any]):
+    """The symbols printed while rendering, with their values; `valued` is set when a Size
+    printed as its value (one whose symbols had printed with other values: an expression
+    interned by the compile of another size)."""
+
+    valued: bool = False
+
+
 # symbol -> value of every Size printed while rendering, or None: print values
-_printing: contextvars.ContextVar[dict[str, int] | None] = contextvars.ContextVar(
+_printing: contextvars.ContextVar[Printed | None] = contextvars.ContextVar(
     "opfuse_size_printing", default=None
 )
 
@@ -45,6 +61,115 @@ def _operator(op: str, fn: Any) -> tuple[Any, Any]:
         return _combine(other, self, op, fn)
 
     return left, right
+
+
+_OPS: dict[str, Any] = {
+    "<": operator.lt,
+    "<=": operator.le,
+    ">": operator.gt,
+    ">=": operator.ge,
+    "==": operator.eq,
+    "!=": operator.ne,
+}
+
+
+class Decisions:
+    """The decisions a compile took from the values of Sizes: (expression, operator,
+    other operand) -> outcome, the operands as Python expression text over the symbols'
+    C names."""
+
+    def __init__(self) -> None:
+        self.outcomes: dict[tuple[str, str, str], bool] = {}
+        self.check: Any = None  # (compiled once from the outcomes: hold())
+
+    def note(self, left: str, op: str, right: str, outcome: bool) -> None:
+        self.outcomes.setdefault((left, op, right), outcome)
+        self.check = None
+
+    def __len__(self) -> int:
+        return len(self.outcomes)
+
+    def hold(self, values: Mapping[str, int]) -> bool:
+        """Would every decision come out the same with the symbols at `values` (by C
+        name)? A symbol not in `values`: no."""
+        if self.check is None:
+            terms = [
+                f"(({a}) {op} ({b})) is {outcome}" for (a, op, b), outcome in self.outcomes.items()
+            ]
+            self.check = compile(" and ".join(terms) or "True", "<decisions>", "eval")
+        try:
+            return bool(eval(self.check, _EVAL_GLOBALS, dict(values)))
+        except (NameError, ArithmeticError, ValueError, TypeError):
+            return False
+
+
+_deciding: contextvars.ContextVar[Decisions | None] = contextvars.ContextVar(
+    "opfuse_size_deciding", default=None
+)
+
+
+@contextlib.contextmanager
+def deciding() -> Iterator[Decisions]:
+    """Record the decisions taken from Sizes inside."""
+    log = Decisions()
+    token = _deciding.set(log)
+    try:
+        yield log
+    finally:
+        _deciding.reset(token)
+
+
+@contextlib.contextmanager
+def undecided() -> Iterator[None]:
+    """Comparisons inside decide no correctness, only cost (which pooled block a buffer
+    takes): not recorded, and what they chose must hold at every size by itself."""
+    token = _deciding.set(None)
+    try:
+        yield
+    finally:
+        _deciding.reset(token)
+
+
+def _text(x: Any) -> str:
+    return x.text if isinstance(x, Size) else repr(x)
+
+
+def _comparison(op: str, base: Any) -> Any:
+    """A comparison of a Size that records its outcome inside deciding()."""
+
+    def method(self: Size, other: Any) -> Any:
+        outcome = base(self, other)
+        if outcome is NotImplemented:
+            if not isinstance(other, float):
+                return outcome
+            outcome = _OPS[op](int.__int__(self), other)
+        log = _deciding.get()
+        if log is not None:
+            log.note(self.text, op, _text(other), outcome)
+        return outcome
+
+    return method
+
+
+def _given_up(*xs: Any) -> None:
+    """Sizes whose values leave as plain numbers: recorded as decided (equal to it)."""
+    log = _deciding.get()
+    if log is not None:
+        for x in xs:
+            if isinstance(x, Size):
+                log.note(x.text, "==", int.__repr__(x), True)
+
+
+def _valued(base: Any) -> Any:
+    """An int operation of a Size that yields no Size: its operands' values are decided."""
+
+    def method(self: Size, *args: Any) -> Any:
+        _given_up(self, *args)
+        return base(
+            int.__int__(self), *(int.__int__(a) if isinstance(a, Size) else a for a in args)
+        )
+
+    return method
 
 
 class Size(int):
@@ -66,15 +191,18 @@ class Size(int):
         return Size(value, c, ((c, int(value)),))
 
     def __reduce__(self) -> Any:  # copies and pickles are plain ints
-        return (int, (int(self),))
+        return (int, (value(self),))
 
     # -- printing ------------------------------------------------------------------------
     def _shown(self) -> str:
         seen = _printing.get()
-        if seen is None or any(seen.get(n, v) != v for n, v in self.leaves):
+        if seen is None:
+            return int.__repr__(self)
+        if any(seen.get(n, v) != v for n, v in self.leaves):
             # A Size of another size where one symbol already printed with a different
             # value (an interned expression of an earlier compile, equal in value): the
             # value is what is meant.
+            seen.valued = True
             return int.__repr__(self)
         for name, value in self.leaves:
             seen.setdefault(name, value)
@@ -86,7 +214,10 @@ class Size(int):
     __str__ = __repr__
 
     def __format__(self, spec: str) -> str:
-        return int.__format__(int(self), spec) if spec else self._shown()
+        if not spec:
+            return self._shown()
+        _given_up(self)
+        return int.__format__(value(self), spec)
 
     # -- arithmetic keeps the expression -------------------------------------------------
     __add__, __radd__ = _operator("+", int.__add__)
@@ -96,19 +227,73 @@ class Size(int):
     __mod__, __rmod__ = _operator("%", int.__mod__)
 
     def __neg__(self) -> Any:
-        return Size(-int(self), f"(-{self.text})", self.leaves)
+        return Size(-value(self), f"(-{self.text})", self.leaves)
 
     def __pos__(self) -> Any:
         return self
 
+    # -- decisions (recorded inside deciding()) -----------------------------------------
+    __lt__ = _comparison("<", int.__lt__)
+    __le__ = _comparison("<=", int.__le__)
+    __gt__ = _comparison(">", int.__gt__)
+    __ge__ = _comparison(">=", int.__ge__)
+    __eq__ = _comparison("==", int.__eq__)
+    __ne__ = _comparison("!=", int.__ne__)
+    __hash__ = int.__hash__
 
-def value_at(x: int, values: dict[str, int]) -> int:
+    def __bool__(self) -> bool:
+        return bool(self != 0)
+
+    def __abs__(self) -> Any:
+        return self if self >= 0 else -self
+
+    def __divmod__(self, other: Any) -> Any:
+        return (self // other, self % other) if isinstance(other, int) else NotImplemented
+
+    def __rdivmod__(self, other: Any) -> Any:
+        return (other // self, other % self) if isinstance(other, int) else NotImplemented
+
+    # what yields a plain int (or float) gives the expression up: this value is decided
+    __int__ = _valued(int.__int__)
+    __index__ = _valued(int.__index__)
+    __float__ = _valued(int.__float__)
+    __truediv__, __rtruediv__ = _valued(int.__truediv__), _valued(int.__rtruediv__)
+    __pow__, __rpow__ = _valued(int.__pow__), _valued(int.__rpow__)
+    __and__, __rand__ = _valued(int.__and__), _valued(int.__rand__)
+    __or__, __ror__ = _valued(int.__or__), _valued(int.__ror__)
+    __xor__, __rxor__ = _valued(int.__xor__), _valued(int.__rxor__)
+    __lshift__, __rlshift__ = _valued(int.__lshift__), _valued(int.__rlshift__)
+    __rshift__, __rrshift__ = _valued(int.__rshift__), _valued(int.__rrshift__)
+    __invert__ = _valued(int.__invert__)
+    __round__ = _valued(int.__round__)
+    __trunc__ = _valued(int.__trunc__)
+    __floor__ = _valued(int.__floor__)
+    __ceil__ = _valued(int.__ceil__)
+    bit_length = _valued(int.bit_length)
+
+
+def value(x: int) -> int:
+    """x as a plain int, deciding nothing (for keys and bookkeeping that keep the
+    expression beside it)."""
+    return int.__int__(x)
+
+
+def value_at(x: int, values: Mapping[str, int]) -> int:
     """x's value where the size symbols take `values` (by C name; a symbol not named keeps
     its own); a plain int is itself."""
     if not isinstance(x, Size):
         return int(x)
     env = {n: values.get(n, v) for n, v in x.leaves}
     return int(eval(_code(x.text), _EVAL_GLOBALS, env))  # our own expression text
+
+
+def at(x: int, values: Mapping[str, int]) -> int:
+    """x where the size symbols take `values`: a Size of the same expression with that
+    value (a plain int stays)."""
+    if not isinstance(x, Size):
+        return x
+    leaves = tuple((n, values.get(n, v)) for n, v in x.leaves)
+    return Size(value_at(x, values), x.text, leaves)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -120,6 +305,7 @@ _EVAL_GLOBALS: dict[str, Any] = {
     "__builtins__": {},
     "opfuse_floordiv": operator.floordiv,
     "opfuse_floormod": operator.mod,
+    "opfuse_gcd": math.gcd,  # (in decisions only: never printed into C)
 }
 
 
@@ -127,10 +313,11 @@ def gcd(a: int, b: int) -> int:
     """math.gcd that returns an operand (a Size keeps its expression) when it is the
     result."""
     g = math.gcd(a, b)
-    for x in (a, b):
-        if x == g and isinstance(x, Size):
-            return x
-    return g
+    same = next((x for x in (a, b) if isinstance(x, Size) and value(x) == g), None)
+    log = _deciding.get()
+    if log is not None and (isinstance(a, Size) or isinstance(b, Size)):
+        log.note(f"opfuse_gcd({_text(a)}, {_text(b)})", "==", _text(same or g), True)
+    return same if same is not None else g
 
 
 def is_size(x: object) -> bool:
@@ -143,7 +330,7 @@ def _combine(a: Any, b: Any, op: str, fn: Any) -> Any:
     if not (isinstance(a, int) and isinstance(b, int)) or bool in (a.__class__, b.__class__):
         return NotImplemented
     sa, sb = isinstance(a, Size), isinstance(b, Size)
-    ia, ib = int(a), int(b)
+    ia, ib = int.__int__(a), int.__int__(b)
     value = fn(ia, ib)
     if not (sa or sb):
         return value
@@ -176,9 +363,9 @@ def _combine(a: Any, b: Any, op: str, fn: Any) -> Any:
 
 
 @contextlib.contextmanager
-def symbolic_text() -> Iterator[dict[str, int]]:
+def symbolic_text() -> Iterator[Printed]:
     """Print Sizes as their expressions inside; yields the symbols printed, with values."""
-    seen: dict[str, int] = {}
+    seen = Printed()
     token = _printing.set(seen)
     try:
         yield seen

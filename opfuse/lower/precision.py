@@ -64,8 +64,8 @@ def short_sum(combine: Combine, dtype: torch.dtype, terms: int) -> bool:
     return (
         combine is Combine.SUM
         and dtype == torch.float32
-        and terms <= SHORT_SUM
         and not is_size(terms)
+        and terms <= SHORT_SUM
     )
 
 

@@ -12,6 +12,7 @@ import torch
 from ..fusion.classify import SUPPORTED_DTYPES
 from ..ir.graph import CONSTANT, GETITEM, Graph, GraphBuilder, Node, TensorMeta, bind
 from ..ir.ops import CONSTANT_FOLDABLE, VIEW_OPS, Kind, computed_where_read, info
+from ..ir.size import is_size
 
 MAX_FOLD_NUMEL = 1 << 22
 MAX_GENERATED_NUMEL = 1 << 12  # tensors made from nothing (full, scalar_tensor) fold if small
@@ -85,6 +86,10 @@ def _foldable(n: Node, b: GraphBuilder, values: dict[Node, torch.Tensor]) -> boo
     row = info(n.op)
     metas = n.meta if isinstance(n.meta, tuple) else (n.meta,)
     if not all(isinstance(m, TensorMeta) for m in metas):
+        return False
+    if any(is_size(v) for m in metas if isinstance(m, TensorMeta) for v in (*m.shape, m.offset)):
+        # sized by a symbol (position embeddings gathered for the sequence length): folded,
+        # its value would be this size's alone, and the compile could serve no other size
         return False
     limit = MAX_FOLD_NUMEL if n.inputs() else MAX_GENERATED_NUMEL
     if sum(m.numel for m in metas if isinstance(m, TensorMeta)) > limit:

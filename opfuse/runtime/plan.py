@@ -15,6 +15,7 @@ import torch
 from ..fusion.groups import Partition
 from ..ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta, map_args
 from ..ir.ops import info
+from ..ir.size import undecided
 from ..lower.bounds import output_bounds
 from ..lower.depthwise import DepthwiseKernel
 from ..lower.dw_gemm import DwGemmKernel
@@ -284,7 +285,7 @@ def build_plan(graph: Graph, part: Partition, built: Mapping[int, Built]) -> Pla
             epi_args, epi_reads = p.kernel_args(k.epilogue, scratch=scratch)
             args += epi_args
             args.append(Const(b.gemm_fn))
-            args += [Const(int(v)) for v in b.sizes]
+            args += [Const(v) for v in b.sizes]
             p.kernel_step(k.name, b.fn, args, reads + epi_reads)
             p.produced(args)
             step = p.steps[-1]
@@ -301,7 +302,7 @@ def build_plan(graph: Graph, part: Partition, built: Mapping[int, Built]) -> Pla
             elif g.anchor is not None and g.pattern.epilogue:
                 p.torch_step(g.anchor)  # unfused: the library call, then the epilogue kernel
             args, reads = p.kernel_args(b.kernel)
-            args += [Const(int(v)) for v in b.sizes]
+            args += [Const(v) for v in b.sizes]
             p.kernel_step(b.kernel.name, b.fn, args, reads)
             pos = {buf.name: i for i, buf in enumerate(b.kernel.buffers)}
             step = p.steps[-1]
@@ -493,18 +494,22 @@ def _plan_memory(graph: Graph, p: _Planner) -> tuple[list[int], list[tuple[int, 
     free_at: list[int] = []  # step after which each block is free
     block_of: dict[Node, int] = {}
 
+    # Which free block a buffer takes weighs their sizes (waste) alone: any choice is
+    # correct at every size, whose blocks are then as large as their largest buffer there
+    # (a graph with symbolic sizes served at others: runtime/sized.pool_sizes).
     def best_fit(start: int, end: int, size: int) -> int:
         best = None
-        for b in range(len(sizes)):
-            if free_at[b] < start and (
-                best is None or _fit(sizes[b], size) < _fit(sizes[best], size)
-            ):
-                best = b
-        if best is None:
-            sizes.append(size)
-            free_at.append(end)
-            return len(sizes) - 1
-        sizes[best] = max(sizes[best], size)
+        with undecided():
+            for b in range(len(sizes)):
+                if free_at[b] < start and (
+                    best is None or _fit(sizes[b], size) < _fit(sizes[best], size)
+                ):
+                    best = b
+            if best is None:
+                sizes.append(size)
+                free_at.append(end)
+                return len(sizes) - 1
+            sizes[best] = max(sizes[best], size)
         free_at[best] = end
         return best
 
@@ -565,7 +570,8 @@ def _plan_memory(graph: Graph, p: _Planner) -> tuple[list[int], list[tuple[int, 
                     and last_read.get(src_base) == si
                     and free_at[blk] == si
                 ):
-                    sizes[blk] = max(sizes[blk], size)
+                    with undecided():
+                        sizes[blk] = max(sizes[blk], size)
                     free_at[blk] = end
                     a.block = blk
                     block_of[node] = blk

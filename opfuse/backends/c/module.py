@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ...ir.graph import Graph, Node, bind
-from ...ir.size import symbolic_text
+from ...ir.size import Size, symbolic_text, value
 from ...lower.depthwise import DepthwiseKernel
 from ...lower.dw_gemm import DwGemmKernel
 from ...lower.epilogue import (
@@ -127,7 +127,8 @@ def build_modules(parts: Sequence[tuple[Graph, Lowered]]) -> list[Module]:
     # Sizes printed as expressions first; should that source fail, as values (the form every
     # graph with static sizes takes).
     for symbolic in (True, False):
-        rendered, sized = _render(named, symbolic)
+        valued: set[str] = set()  # kernels that printed a Size as its value
+        rendered, sized = _render(named, symbolic, valued)
         # The layers of a deep model repeat the same kernels: compile each distinct one
         # once (gcc time grows with the translation unit), and let equal candidates share
         # it. A kernel's text without its own name is also its name-free signature (below).
@@ -137,7 +138,8 @@ def build_modules(parts: Sequence[tuple[Graph, Lowered]]) -> list[Module]:
         # values of the Sizes it printed)
         first: dict[tuple[str, Any], str] = {}
         alias = {
-            name: first.setdefault((text, sized[name]), name) for name, text in canonical.items()
+            name: first.setdefault((text, tuple(map(value, sized[name]))), name)
+            for name, text in canonical.items()
         }
         pieces = [rendered[n] for n in first.values()]
         lib = None
@@ -169,6 +171,9 @@ def build_modules(parts: Sequence[tuple[Graph, Lowered]]) -> list[Module]:
         mine = [rendered[n] for n in first.values() if n in used]
         mod = Module(header + "\n".join(mine), cached=cached)
         mod.problem = problem
+        # every Size of every kernel printed as its expression: the library computes any
+        # size whose decisions come out the same (runtime/sized.py)
+        mod.generic = symbolic and not any(alias[n] in used for n in valued)
         for gid, cands in lowered.candidates.items():
             # the code the kernels share (opfuse's GEMM, its depthwise kernel): a tuning
             # decision made with another version of it is not this one's
@@ -187,16 +192,18 @@ def build_modules(parts: Sequence[tuple[Graph, Lowered]]) -> list[Module]:
     return modules
 
 
-def _render(named: Sequence[_Named], symbolic: bool) -> tuple[dict[str, str], dict[str, Any]]:
-    """Each kernel's C by name, and the size symbols' values it takes (none unless
-    `symbolic`)."""
+def _render(
+    named: Sequence[_Named], symbolic: bool, valued: set[str]
+) -> tuple[dict[str, str], dict[str, Any]]:
+    """Each kernel's C by name, and the size symbols it takes (none unless `symbolic`);
+    the kernels that printed a Size as its value go into `valued`."""
     rendered: dict[str, str] = {}
     sized: dict[str, tuple[int, ...]] = {}
     for nm in named:
         for name, k in nm.kernels:
             render = functools.partial(render_module, [(name, k)])
             rendered[name], sized[name] = (
-                _sized(name, render, len(k.buffers)) if symbolic else (render(), ())
+                _sized(name, render, len(k.buffers), valued) if symbolic else (render(), ())
             )
         tiled: list[tuple[str, GemmKernel | DepthwiseKernel | DwGemmKernel, Callable[[], str]]]
         tiled = [(n, g, functools.partial(render_gemm, n, g, o)) for n, g, o in nm.gemms]
@@ -209,18 +216,22 @@ def _render(named: Sequence[_Named], symbolic: bool) -> tuple[dict[str, str], di
         ]
         for n, g, text in tiled:
             rendered[n], sized[n] = (
-                _sized(n, text, 3 + len(g.epilogue.buffers)) if symbolic else (text(), ())
+                _sized(n, text, 3 + len(g.epilogue.buffers), valued) if symbolic else (text(), ())
             )
     return rendered, sized
 
 
-def _sized(name: str, render: Callable[[], str], first: int) -> tuple[str, tuple[int, ...]]:
+def _sized(
+    name: str, render: Callable[[], str], first: int, valued: set[str]
+) -> tuple[str, tuple[int, ...]]:
     """A kernel's C with its Sizes printed as expressions of the graph's size symbols
     (ir/size.py), which it reads from its arguments after its own `first` ones; and the
-    symbols' values at this size, in that order. Every size of a graph then renders the
-    same text wherever its decisions came out the same, built once."""
+    symbols at this size (Sizes of one symbol each), in that order. Every size of a graph
+    then renders the same text wherever its decisions came out the same, built once."""
     with symbolic_text() as seen:
         text = render()
+    if seen.valued:
+        valued.add(name)
     if not seen:
         return text, ()
     symbols = sorted(seen)
@@ -230,7 +241,8 @@ def _sized(name: str, render: Callable[[], str], first: int) -> tuple[str, tuple
         f"\n  const int64_t {s} = (int64_t)(intptr_t)args[{first + j}];"
         for j, s in enumerate(symbols)
     )
-    return text.replace(head, head + reads, 1), tuple(seen[s] for s in symbols)
+    sizes = tuple(Size(seen[s], s, ((s, seen[s]),)) for s in symbols)
+    return text.replace(head, head + reads, 1), sizes
 
 
 def _bind(

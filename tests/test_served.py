@@ -1,0 +1,186 @@
+"""A graph with symbolic sizes compiled once serves every size its decisions hold at
+(runtime/sized.py). The suite runs with OPFUSE_CHECK_SERVED=1 (conftest): every served
+size is compiled as well, and its source and plan compared with the served ones."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import opfuse
+from opfuse.bench import models
+from opfuse.frontend import dynamo
+from opfuse.ir.size import Size, deciding, gcd, undecided
+from opfuse.runtime.sized import why_not
+from tests.conftest import caches_of_the_reference_host
+
+
+def test_decisions_record_comparisons_and_the_values_given_up() -> None:
+    s = Size.symbol("s0", 40)
+    with deciding() as d:
+        rows = s * 768 + 3
+        assert rows > 100 and rows != 5
+        assert abs(-s) == 40 and abs(-s).text == "(-(-opfuse_s0))"  # keeps the expression
+        q, r = divmod(rows, 7)
+        assert (q.text, r.text) == (
+            "opfuse_floordiv(((opfuse_s0 * 768) + 3), 7)",
+            "opfuse_floormod(((opfuse_s0 * 768) + 3), 7)",
+        )
+        assert gcd(s, 16) == 8 and bool(s)
+        assert int(rows // 2) == 15361  # a value given up: that value is decided
+        with undecided():
+            assert s * 2 < 1000  # (a cost, not recorded)
+    assert d.hold({"opfuse_s0": 40})
+    assert not d.hold({"opfuse_s0": 56})  # gcd(56, 16) is 16, and int() decided 15361
+    assert not d.hold({"opfuse_s1": 40})  # another symbol
+    outcomes = {(a, op, b) for a, op, b in d.outcomes}
+    assert ("((opfuse_s0 * 768) + 3)", ">", "100") in outcomes
+    assert ("opfuse_gcd(opfuse_s0, 16)", "==", "8") in outcomes
+    assert ("opfuse_floordiv(((opfuse_s0 * 768) + 3), 2)", "==", "15361") in outcomes
+    assert not any("1000" in b for _, _, b in d.outcomes)
+    with deciding() as d2:
+        assert s < 64 and s % 8 == 0
+    assert [v for v in (8, 16, 40, 48, 56) if d2.hold({"opfuse_s0": v})] == [8, 16, 40, 48, 56]
+    assert not d2.hold({"opfuse_s0": 64}) and not d2.hold({"opfuse_s0": 41})
+
+
+def _encoder() -> tuple[nn.Module, Any]:
+    torch.manual_seed(0)
+    model = models.realistic(models.BertEncoder(layers=2, dim=96, vocab=300)).eval()
+
+    def inputs(s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(s)
+        mask = torch.ones(1, s, dtype=torch.long)
+        mask[0, s // 2 :] = 0
+        return torch.randint(0, 300, (1, s), generator=g), mask
+
+    return model, inputs
+
+
+def test_torch_compile_dynamic_compiles_an_encoder_once_over_lengths(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """BERT-like (attention masked by an input, embeddings of positions): the first length
+    compiles, the others are served by it, with its library and the plan's sizes
+    evaluated at theirs."""
+    model, inputs = _encoder()
+    caches_of_the_reference_host(monkeypatch)  # all lengths in one tiling regime
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="opfuse", dynamic=True)
+    before = dynamo.compiles()
+    with torch.no_grad(), dynamo.listening() as reports:
+        for s in (40, 56, 72, 100, 33, 120, 17):
+            x = inputs(s)
+            torch.testing.assert_close(f(*x), model(*x), rtol=1e-4, atol=1e-4)
+    torch._dynamo.reset()
+    assert dynamo.compiles() - before == 1
+    served = [r for r in reports if any("served by the compile at" in d for d in r.dynamic)]
+    assert len(served) == 6
+
+
+def test_opfuse_compile_serves_lengths_from_its_export(monkeypatch: pytest.MonkeyPatch) -> None:
+    """opfuse.compile: the example's shape compiles static, the second length exports with
+    the length symbolic and compiles, and later lengths are served by that compile."""
+    model, inputs = _encoder()
+    caches_of_the_reference_host(monkeypatch)
+    with torch.no_grad():
+        c = opfuse.compile(model, inputs(16))
+        for s in (24, 40, 33, 100, 17):
+            x = inputs(s)
+            torch.testing.assert_close(c(*x), model(*x), rtol=1e-4, atol=1e-4)
+    served = [
+        any("served by the compile at" in d for d in e.report.dynamic) for e in c._entries.values()
+    ]
+    assert served == [False, False, True, True, True, True]
+    assert why_not(next(iter(c._entries.values())).compiled) == "its sizes are static"
+
+
+class _Block(nn.Module):
+    """LayerNorm(x + MLP(x)) and a softmax over the rows' own length."""
+
+    def __init__(self, dim: int = 48) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x + self.down(torch.nn.functional.gelu(self.up(x))))
+        scores = torch.softmax(h @ h.transpose(-1, -2) * 0.125, -1)
+        return scores @ h + h.sum(0, keepdim=True).tanh()
+
+
+def test_a_size_whose_decisions_differ_compiles_again() -> None:
+    """A sum over more than 16 rows runs in float64, and the scores' GEMM takes column
+    tiles of 64 from 65 columns on: 40 rows and 100 rows decide otherwise, and 100 is
+    compiled; 90 is then served by it, 36 by the first."""
+    torch.manual_seed(0)
+    model = _Block().eval()
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="opfuse", dynamic=True)
+    counts = []
+    with torch.no_grad():
+        for s in (40, 100, 90, 36):
+            x = torch.randn(s, 48)
+            torch.testing.assert_close(f(x), model(x), rtol=1e-4, atol=1e-4)
+            counts.append(dynamo.compiles())
+    torch._dynamo.reset()
+    assert [c - counts[0] for c in counts] == [0, 1, 1, 1]
+
+
+def test_a_plan_with_a_library_call_set_up_at_its_size_serves_no_other() -> None:
+    """A oneDNN convolution is set up (primitive, layouts) at the size compiled: that compile
+    serves no other size, each compiles, and every one matches eager."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()).eval()
+    torch._dynamo.reset()
+    f = torch.compile(net, backend="opfuse", dynamic=True)
+    before = dynamo.compiles()
+    with torch.no_grad(), dynamo.listening() as reports:
+        for b in (2, 3, 4):
+            x = torch.randn(b, 3, 12, 12)
+            torch.testing.assert_close(f(x), net(x), rtol=1e-4, atol=1e-4)
+    torch._dynamo.reset()
+    assert dynamo.compiles() - before == 3
+    assert not any("served by" in d for r in reports for d in r.dynamic)
+
+
+_KINDS = {
+    "elementwise": lambda x: ((x * 2).relu() + 1).sigmoid() * x,
+    "reduction": lambda x: torch.softmax(x, -1) + torch.nn.functional.layer_norm(x, x.shape[-1:]),
+    "rows": lambda x: x.sum(0) + x.amax(0) * x.mean(0),
+}
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    st.sampled_from([*sorted(_KINDS), "epilogue"]),
+    st.lists(st.integers(2, 300), min_size=3, max_size=5, unique=True),
+    st.integers(3, 70),
+)
+def test_served_sizes_match_eager_and_their_own_compile(
+    kind: str, sizes: list[int], width: int
+) -> None:
+    """Elementwise, reduction and GEMM epilogue groups over random sizes under
+    torch.compile(dynamic=True): each matches eager; a size served by an earlier compile
+    is also compiled and compared with it (OPFUSE_CHECK_SERVED); no more compiles than
+    sizes."""
+    torch.manual_seed(0)
+    if kind == "epilogue":
+        lin = nn.Linear(width, 24).eval()
+        fn: Any = lambda x: torch.nn.functional.gelu(lin(x)) + x[:, :1]
+    else:
+        fn = _KINDS[kind]
+    torch._dynamo.reset()
+    f = torch.compile(fn, backend="opfuse", dynamic=True)
+    before = dynamo.compiles()
+    with torch.no_grad():
+        for n in sizes:
+            x = torch.randn(n, width)
+            torch.testing.assert_close(f(x), fn(x), rtol=1e-4, atol=1e-4)
+    torch._dynamo.reset()
+    assert dynamo.compiles() - before <= len(sizes)
