@@ -272,7 +272,7 @@ class CompiledModule(torch.nn.Module):
         new._generic_runs = {}
         new._kw_order = list(self._kw_order)
         new._lock, new._dynamo = _CompileLock(), None
-        new._entries = {}
+        new._entries, new.__dict__["_served"] = {}, list(self.__dict__.get("_served", []))
         new._state = {k: v.clone() for k, v in self._state.items()}
         for sig, e in self._entries.items():
             state = {k: new._state[k] for k in e.captured.state}
@@ -349,9 +349,12 @@ class CompiledModule(torch.nn.Module):
         self._watch_modes(model)
         return entry
 
-    def _serve(self, family: Family, leaves: list[Any], sig: Any) -> _Entry | None:
+    def _serve(
+        self, family: Family, leaves: list[Any], sig: Any, evict: bool = False
+    ) -> _Entry | None:
         """These inputs served by an earlier compile from `family` whose decisions hold at
-        their sizes (runtime/sized.py): no capture, no compile."""
+        their sizes (runtime/sized.py): no capture, no compile. `evict` (full): in place of
+        the signature served longest ago, if there is one (_give_way)."""
         if family.asserts():
             return None
         values = family.values(leaves)
@@ -376,10 +379,22 @@ class CompiledModule(torch.nn.Module):
                     raise AssertionError(
                         f"opfuse: a served size differs from its compile: {problem}"
                     )
+            if evict and not self._give_way():
+                return None
             entry = _Entry(captured, served, served.report, family)
             self._entries[sig] = entry
+            self.__dict__.setdefault("_served", []).append(sig)
             return entry
         return None
+
+    def _give_way(self) -> bool:
+        """Drop the signature served longest ago (served again in milliseconds should it
+        come back), if there is one: a full cache then keeps a new shape, never more."""
+        served: list[Any] = self.__dict__.setdefault("_served", [])
+        while served:
+            if self._entries.pop(served.pop(0), None) is not None:
+                return True
+        return False
 
     def _share_state(self, captured: Captured) -> Captured:
         """The buffers the graph updates, one copy for every compiled signature."""
@@ -481,7 +496,7 @@ class CompiledModule(torch.nn.Module):
             self._families, self._exports, self._generic_runs = [], 0, {}
         # compiled before: they compile again even with recompile=False
         self._stale |= set(self._entries)
-        self._entries = {}
+        self._entries, self.__dict__["_served"] = {}, []
         self._watch = None
 
     def _follow_parameters(self) -> None:
@@ -554,7 +569,10 @@ class CompiledModule(torch.nn.Module):
                         if served:
                             return out
                     full = self._full()
-                    if full is not None:
+                    kept = None
+                    if family is not None:  # (full: in place of a size served before)
+                        kept = self._serve(family, leaves, sig, evict=full is not None)
+                    if kept is None and full is not None and not self._give_way():
                         # Each input shape keeps its plan, memory pool and, for shapes
                         # exported on their own, its kernels: ever new shapes would grow
                         # without bound.
@@ -563,9 +581,8 @@ class CompiledModule(torch.nn.Module):
                             "bucket the inputs to a few sizes, or raise cache_limit"
                         )
                         return self.__dict__["_model"](*args, **kwargs)
-                    if sig in self._untraceable:
+                    if kept is None and sig in self._untraceable:
                         return self._through_dynamo(*args, **kwargs)
-                    kept = self._serve(family, leaves, sig) if family is not None else None
                     try:
                         entry = kept or self._compile(args, kwargs, family)
                     except CaptureError as e:

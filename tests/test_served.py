@@ -4,6 +4,7 @@ size is compiled as well, and its source and plan compared with the served ones.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -98,6 +99,35 @@ def test_opfuse_compile_serves_lengths_from_its_export(monkeypatch: pytest.Monke
     ]
     assert served == [False, False, True, True, True, True]
     assert why_not(next(iter(c._entries.values())).compiled) == "its sizes are static"
+
+
+def test_a_full_cache_serves_new_sizes_in_place_of_served_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past cache_limit, a new size that a compile serves takes the place of the size served
+    longest ago (served again in milliseconds should it come back), instead of running
+    unfused: memory stays bounded, and nothing compiles again."""
+    torch._dynamo.reset()
+    fn = lambda x: (x * 2).relu().sum(-1)
+    f = torch.compile(fn, backend="opfuse", dynamic=True, options={"cache_limit": 3})
+    before = dynamo.compiles()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no cache-limit warning
+        for n in (*range(2, 12), 3, 2):
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(f(x), fn(x))
+    torch._dynamo.reset()
+    assert dynamo.compiles() - before == 1
+    model, inputs = _encoder()
+    caches_of_the_reference_host(monkeypatch)  # all lengths in one tiling regime
+    with torch.no_grad():
+        c = opfuse.compile(model, inputs(16), cache_limit=3)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for s in (24, 40, 33, 100, 17, 40):
+                x = inputs(s)
+                torch.testing.assert_close(c(*x), model(*x), rtol=1e-4, atol=1e-4)
+    assert len(c._entries) == 3  # the static 16, the compile at 24, one served length
 
 
 class _Block(nn.Module):

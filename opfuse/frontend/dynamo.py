@@ -111,6 +111,7 @@ class _GraphRunner:
         self.budget = budget  # bytes of memory pools the kept signatures may hold together
         self.pooled = 0
         self.cache: dict[tuple[Any, ...], tuple[CompiledGraph, list[int]] | None] = {}
+        self.served: list[tuple[Any, ...]] = []  # keys served by another's compile, oldest first
         # (frozen parameters need their values: AOTAutograd's example inputs are fake)
         if compile_now and not frozen and not has_symbols(example_inputs) and cache_limit > 0:
             self._compile([_unit_strides(a) for a in example_inputs])
@@ -155,10 +156,12 @@ class _GraphRunner:
         return entry
 
     def _serve(
-        self, args: Sequence[Any], given: Sequence[Any]
+        self, args: Sequence[Any], given: Sequence[Any], evict: bool = False
     ) -> tuple[CompiledGraph, list[int]] | None:
         """These sizes served by a compile of the graph at others whose decisions hold at
-        them (runtime/sized.py): no capture, no compile."""
+        them (runtime/sized.py): no capture, no compile. `evict` (the cache is full): in
+        place of the size served longest ago, if there is one (_give_way)."""
+
         if not any(e is not None and e[0].decisions for e in self.cache.values()):
             return None
         fx = self.gm.graph
@@ -183,11 +186,31 @@ class _GraphRunner:
                         f"opfuse: a served size differs from its compile: {problem}"
                     )
             entry = (served, e[1])
+            if evict and not self._give_way():
+                return None
             self.keep(args, entry)
+            self.served.append(self._key(args))
             if self.frozen:
                 self.watches[self._key(args)] = FrozenInputs(sorted(self.frozen), given)
             return entry
         return None
+
+    def _room(self) -> bool:
+        """May another signature be kept (cache_limit, and the pools' budget)?"""
+        return len(self.cache) < self.cache_limit and (
+            self.budget is None or self.pooled < self.budget
+        )
+
+    def _give_way(self) -> bool:
+        """Drop the signature served longest ago (served again in milliseconds should it
+        come back), if there is one: a full cache then keeps a new size, never more."""
+        if not self.served:
+            return False
+        old = self.served.pop(0)
+        gone = self.cache.pop(old, None)
+        self.pooled -= sum(gone[0].run.plan.pool_sizes) if gone is not None else 0
+        self.watches.pop(old, None)
+        return True
 
     def keep(self, args: Sequence[Any], entry: tuple[CompiledGraph, list[int]] | None) -> None:
         """Serve calls with `args`' signature by `entry` (None: with torch)."""
@@ -213,7 +236,7 @@ class _GraphRunner:
                 "inputs (no BatchNorm folding, no prepacked convolutions)"
             )
             self.frozen = frozenset()
-            self.cache, self.watches, self.pooled = {}, {}, 0
+            self.cache, self.watches, self.pooled, self.served = {}, {}, 0, []
         else:
             warn_once(
                 "opfuse: a parameter an inference graph was compiled with as a constant "
@@ -235,11 +258,11 @@ class _GraphRunner:
             watch = self.watches.get(key)
             if watch is not None and not watch.holds(given):
                 entry = self._changed(key, args, given)
-        elif len(self.cache) < self.cache_limit and (
-            self.budget is None or self.pooled < self.budget
+        elif (entry := self._serve(args, given, evict=not self._room())) is None and (
+            self._room() or self._give_way()
         ):
-            entry = self._serve(args, given) or self._compile(args, given)
-        else:
+            entry = self._compile(args, given)
+        elif entry is None:
             rest = (
                 "its static parts fused, the rest with torch"
                 if self.fallback is not None
@@ -257,7 +280,6 @@ class _GraphRunner:
                 "sizes, or raise the limit: torch.compile(..., backend='opfuse', "
                 "options={'cache_limit': n})"
             )
-            entry = None
         if entry is None:
             return self.fallback(args) if self.fallback is not None else self.gm(*args)
         compiled, positions = entry
