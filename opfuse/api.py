@@ -26,7 +26,7 @@ from .pipeline import CompiledGraph, compile_graph, warn_once
 from .report.make import count_kernels
 from .report.tables import FusionReport, RejectReport
 from .runtime.heap import collector_paused
-from .runtime.sized import differences, serve
+from .runtime.sized import differences, note, serve
 from .settings import flag
 
 log = logging.getLogger("opfuse")
@@ -337,6 +337,9 @@ class CompiledModule(torch.nn.Module):
             report = compiled.report
             if captured.dynamic:
                 report.dynamic.append(captured.dynamic)
+            decided = note(compiled)
+            if decided is not None:
+                report.dynamic.append(decided)
         except Exception as e:  # a bug of ours must not stop a model eager runs
             message = _fallback_message(e)
             warn_once(message)

@@ -246,7 +246,10 @@ def test_a_conv_net_with_symbolic_sizes_keeps_channels_last() -> None:
             torch.testing.assert_close(f(x), net(x), rtol=1e-4, atol=1e-4)
     # the 1x1 convolution runs as a matmul over rows: only over a channels-last input
     # (the 3-channel stem becomes rows over any layout)
-    assert [sum("1x1" in n for n in r.conv_rows) for r in reports if not r.dynamic] == [1, 1]
+    per_size = [r for r in reports if not any("static regions" in d for d in r.dynamic)]
+    assert [sum("1x1" in n for n in r.conv_rows) for r in per_size] == [1, 1]
+    # what each size decided from the sizes (runtime/sized.py)
+    assert all("decisions taken from the sizes" in r.dynamic[-1] for r in per_size)
     torch._dynamo.reset()
 
 

@@ -329,13 +329,14 @@ def _dynamic_table(rows: list[Result]) -> list[str]:
         "",
         "graphs: graphs dynamo handed each backend over the whole row (none for a new size "
         "once one with symbolic sizes is compiled); opfuse compiles: opfuse's compiles in "
-        "the row (a static graph, the static regions of a symbolic one together, each "
-        "size of one compiled per size); C builds: libraries the C compiler built for them "
-        "(sizes whose kernels render the same source share one, ir/size.py). opfuse.compile: "
-        "the model compiled with opfuse.compile at the first size and called with each "
-        "(the second size exports it with that size symbolic, later ones are captured "
-        "from that export, frontend/symbolic.py). vs opfuse static: the time of opfuse "
-        "compiled for that length alone over torch.compile's.",
+        "the row (a static graph, the static regions of a symbolic one together, a size "
+        "of one that no earlier compile serves: runtime/sized.py); C builds: libraries the "
+        "C compiler built for them (sizes whose kernels render the same source share one, "
+        "ir/size.py). opfuse.compile: the model compiled with opfuse.compile at the first "
+        "size and called with each (the second size exports it with that size symbolic, "
+        "later ones are served by a compile from that export or captured from it, "
+        "frontend/symbolic.py). vs opfuse static: the time of opfuse compiled for that "
+        "length alone over torch.compile's.",
         "",
     ]
     return out

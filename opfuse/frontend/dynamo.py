@@ -23,7 +23,7 @@ from ..report.make import count_kernels
 from ..report.tables import FusionReport
 from ..rewrite.fx_layout import channels_last_convolutions
 from ..runtime.heap import collector_paused
-from ..runtime.sized import differences, serve
+from ..runtime.sized import differences, note, serve
 from ..settings import flag
 from . import sizes
 from .capture import capture_fx
@@ -146,6 +146,9 @@ class _GraphRunner:
             with unset_fake_temporarily(), collector_paused():
                 graph, positions = capture_fx(self.gm, args, self.static, self.frozen)
                 compiled = compile_graph(graph, self.options, count_kernels(graph))
+            decided = note(compiled)
+            if decided is not None:  # (a size of a graph with symbolic sizes)
+                compiled.report.dynamic.append(decided)
             entry = (compiled, positions)
         except Exception as e:  # never crash a model eager runs: run this graph with torch
             warn_once(f"opfuse: graph falls back to torch ({type(e).__name__}: {e})")
@@ -331,10 +334,11 @@ def _compiler(
         fallback = generic
         _tell(
             f"graph with symbolic sizes ({', '.join(symbols(gm)) or 'strides'}): "
-            f"{share:.0%} of its ops have static sizes, so each size compiles, up to "
-            f"{cache_limit}, with the sizes as arguments of its kernels (sizes whose "
-            "size-dependent choices agree share one build and the first size's tuning); "
-            "one compile of its static regions serves the sizes past them"
+            f"{share:.0%} of its ops have static sizes, so a size compiles, with the sizes "
+            "as arguments of its kernels, and serves every later size at which its "
+            f"decisions on the sizes come out the same; {cache_limit} sizes kept (sizes "
+            "whose size-dependent choices agree share one build and the first size's "
+            "tuning); one compile of its static regions serves the sizes past them"
         )
     runner = _GraphRunner(
         gm,

@@ -60,6 +60,16 @@ def why_not(compiled: CompiledGraph) -> str | None:
     return None
 
 
+def note(compiled: CompiledGraph) -> str | None:
+    """For the report: what the compile decided from the sizes, and whether it serves
+    others (None: its sizes are static)."""
+    if compiled.decisions is None:
+        return None
+    why = why_not(compiled)
+    serves = "other sizes where they come out the same" if why is None else f"no other: {why}"
+    return f"{len(compiled.decisions)} decisions taken from the sizes' values; serves {serves}"
+
+
 def serve(compiled: CompiledGraph, values: Mapping[str, int]) -> CompiledGraph | None:
     """`compiled` at the size symbols' `values` (by C name), or None where one of its
     decisions would come out otherwise there (or it serves no other size: why_not)."""
