@@ -571,6 +571,8 @@ class CompiledModule(torch.nn.Module):
                         served, out = self._serve_generic(sig, family.generic, leaves)
                         if served:
                             return out
+                    if sig in self._untraceable:
+                        return self._through_dynamo(*args, **kwargs)
                     full = self._full()
                     kept = None
                     if family is not None:  # (full: in place of a size served before)
@@ -584,8 +586,6 @@ class CompiledModule(torch.nn.Module):
                             "bucket the inputs to a few sizes, or raise cache_limit"
                         )
                         return self.__dict__["_model"](*args, **kwargs)
-                    if kept is None and sig in self._untraceable:
-                        return self._through_dynamo(*args, **kwargs)
                     try:
                         entry = kept or self._compile(args, kwargs, family)
                     except CaptureError as e:
