@@ -214,3 +214,23 @@ def test_served_sizes_match_eager_and_their_own_compile(
             torch.testing.assert_close(f(x), fn(x), rtol=1e-4, atol=1e-4)
     torch._dynamo.reset()
     assert dynamo.compiles() - before <= len(sizes)
+
+
+def test_a_served_size_follows_a_parameter_changed_since() -> None:
+    """Under torch.compile's no_grad graphs the parameters are compiled in as constants: a
+    weight changed in place after a size served others is seen by the sizes served before
+    and by a new size, which is compiled again rather than served from the old weights."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8)).eval()
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="opfuse", dynamic=True)
+    with torch.no_grad():
+        for n in (20, 30):
+            x = torch.randn(n, 16)
+            torch.testing.assert_close(f(x), model(x), rtol=1e-4, atol=1e-4)
+        model[0].weight.mul_(2)
+        with pytest.warns(RuntimeWarning, match="compiling it again"):
+            for n in (40, 30, 20):
+                x = torch.randn(n, 16)
+                torch.testing.assert_close(f(x), model(x), rtol=1e-4, atol=1e-4)
+    torch._dynamo.reset()

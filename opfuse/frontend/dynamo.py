@@ -164,7 +164,6 @@ class _GraphRunner:
         """These sizes served by a compile of the graph at others whose decisions hold at
         them (runtime/sized.py): no capture, no compile. `evict` (the cache is full): in
         place of the size served longest ago, if there is one (_give_way)."""
-
         if not any(e is not None and e[0].decisions for e in self.cache.values()):
             return None
         fx = self.gm.graph
@@ -173,9 +172,12 @@ class _GraphRunner:
         symbols = [n.meta.get("val") for n in fx.find_nodes(op="placeholder")]
         values = {PREFIX + k: v for k, v in sizes.bind(symbols, args).items()}
         tried: set[int] = set()
-        for e in list(self.cache.values()):
+        for key, e in list(self.cache.items()):
             if e is None or id(e[0].decisions) in tried:
                 continue
+            watch = self.watches.get(key)
+            if self.frozen and (watch is None or not watch.holds(given)):
+                continue  # (its frozen parameters changed since: compiled again, below)
             tried.add(id(e[0].decisions))
             served = serve(e[0], values)
             if served is None:
