@@ -14,11 +14,11 @@ from hypothesis import strategies as st
 from torch import nn
 
 import opfuse
-from opfuse.bench import models
 from opfuse.frontend import dynamo
 from opfuse.ir.size import Size, deciding, gcd, undecided
 from opfuse.runtime.sized import why_not
 from tests.conftest import caches_of_the_reference_host
+from tests.test_sizes import _Block, _encoder
 
 
 def test_decisions_record_comparisons_and_the_values_given_up() -> None:
@@ -48,19 +48,6 @@ def test_decisions_record_comparisons_and_the_values_given_up() -> None:
         assert s < 64 and s % 8 == 0
     assert [v for v in (8, 16, 40, 48, 56) if d2.hold({"opfuse_s0": v})] == [8, 16, 40, 48, 56]
     assert not d2.hold({"opfuse_s0": 64}) and not d2.hold({"opfuse_s0": 41})
-
-
-def _encoder() -> tuple[nn.Module, Any]:
-    torch.manual_seed(0)
-    model = models.realistic(models.BertEncoder(layers=2, dim=96, vocab=300)).eval()
-
-    def inputs(s: int) -> tuple[torch.Tensor, torch.Tensor]:
-        g = torch.Generator().manual_seed(s)
-        mask = torch.ones(1, s, dtype=torch.long)
-        mask[0, s // 2 :] = 0
-        return torch.randint(0, 300, (1, s), generator=g), mask
-
-    return model, inputs
 
 
 def test_torch_compile_dynamic_compiles_an_encoder_once_over_lengths(
@@ -128,20 +115,6 @@ def test_a_full_cache_serves_new_sizes_in_place_of_served_ones(
                 x = inputs(s)
                 torch.testing.assert_close(c(*x), model(*x), rtol=1e-4, atol=1e-4)
     assert len(c._entries) == 3  # the static 16, the compile at 24, one served length
-
-
-class _Block(nn.Module):
-    """LayerNorm(x + MLP(x)) and a softmax over the rows' own length."""
-
-    def __init__(self, dim: int = 48) -> None:
-        super().__init__()
-        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
-        self.norm = nn.LayerNorm(dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.norm(x + self.down(torch.nn.functional.gelu(self.up(x))))
-        scores = torch.softmax(h @ h.transpose(-1, -2) * 0.125, -1)
-        return scores @ h + h.sum(0, keepdim=True).tanh()
 
 
 def test_a_size_whose_decisions_differ_compiles_again() -> None:

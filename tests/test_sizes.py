@@ -148,9 +148,9 @@ def test_every_size_matches_eager_and_the_kernels_build_once(sizes: list[int]) -
     assert len(timed) == first_timed, "a later size timed candidates"
 
 
-def test_an_encoder_over_lengths_builds_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A BERT-like encoder (attention masked by an input, embeddings of positions) over
-    lengths: one compiler run for the lengths past the first two."""
+def _encoder() -> tuple[nn.Module, Any]:
+    """A BERT-like encoder (attention masked by an input, embeddings of positions) and its
+    inputs at a length."""
     torch.manual_seed(0)
     model = models.realistic(models.BertEncoder(layers=2, dim=96, vocab=300)).eval()
 
@@ -160,6 +160,13 @@ def test_an_encoder_over_lengths_builds_once(monkeypatch: pytest.MonkeyPatch) ->
         mask[0, s // 2 :] = 0
         return torch.randint(0, 300, (1, s), generator=g), mask
 
+    return model, inputs
+
+
+def test_an_encoder_over_lengths_builds_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A BERT-like encoder over lengths: one compiler run for the lengths past the first
+    two."""
+    model, inputs = _encoder()
     caches_of_the_reference_host(monkeypatch)  # all lengths in one tiling regime
     runs = count_compiler_runs(monkeypatch)
     torch._dynamo.reset()
