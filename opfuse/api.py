@@ -26,8 +26,7 @@ from .pipeline import CompiledGraph, compile_graph, warn_once
 from .report.make import count_kernels
 from .report.tables import FusionReport, RejectReport
 from .runtime.heap import collector_paused
-from .runtime.sized import differences, note, serve
-from .settings import flag
+from .runtime.sized import check, note, serve
 
 log = logging.getLogger("opfuse")
 
@@ -375,13 +374,7 @@ class CompiledModule(torch.nn.Module):
             except CaptureError:
                 return None  # (a size the model returns has no value here: captured, fails)
             captured = dataclasses.replace(e.captured, out_spec=spec)
-            if flag("OPFUSE_CHECK_SERVED"):
-                fresh = compile_graph(family.capture(leaves).graph, self._options)
-                problem = differences(served, fresh)
-                if problem is not None:
-                    raise AssertionError(
-                        f"opfuse: a served size differs from its compile: {problem}"
-                    )
+            check(served, lambda: compile_graph(family.capture(leaves).graph, self._options))
             if evict and not self._give_way():
                 return None
             entry = _Entry(captured, served, served.report, family)

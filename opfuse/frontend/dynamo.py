@@ -23,8 +23,7 @@ from ..report.make import count_kernels
 from ..report.tables import FusionReport
 from ..rewrite.fx_layout import channels_last_convolutions
 from ..runtime.heap import collector_paused
-from ..runtime.sized import differences, note, serve
-from ..settings import flag
+from ..runtime.sized import check, note, serve
 from . import sizes
 from .capture import capture_fx
 from .decompose import decompositions, keep_whole
@@ -182,14 +181,7 @@ class _GraphRunner:
             served = serve(e[0], values)
             if served is None:
                 continue
-            if flag("OPFUSE_CHECK_SERVED"):
-                with unset_fake_temporarily(), collector_paused():
-                    graph, _ = capture_fx(self.gm, args, self.static, self.frozen)
-                    problem = differences(served, compile_graph(graph, self.options))
-                if problem is not None:
-                    raise AssertionError(
-                        f"opfuse: a served size differs from its compile: {problem}"
-                    )
+            check(served, functools.partial(self._compile_here, args))
             entry = (served, e[1])
             if evict and not self._give_way():
                 return None
@@ -199,6 +191,12 @@ class _GraphRunner:
                 self.watches[self._key(args)] = FrozenInputs(sorted(self.frozen), given)
             return entry
         return None
+
+    def _compile_here(self, args: Sequence[Any]) -> CompiledGraph:
+        """The graph compiled at `args`' sizes, kept nowhere (sized.check)."""
+        with unset_fake_temporarily(), collector_paused():
+            graph, _ = capture_fx(self.gm, args, self.static, self.frozen)
+            return compile_graph(graph, self.options)
 
     def _room(self) -> bool:
         """May another signature be kept (cache_limit, and the pools' budget)?"""

@@ -32,7 +32,9 @@ import functools
 import math
 import operator
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 
 class Printed(dict[str, Any]):
@@ -109,25 +111,24 @@ _deciding: contextvars.ContextVar[Decisions | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def deciding() -> Iterator[Decisions]:
-    """Record the decisions taken from Sizes inside."""
-    log = Decisions()
-    token = _deciding.set(log)
+def _set(var: contextvars.ContextVar[Any], value: T) -> Iterator[T]:
+    """`var` set to `value` inside (yielded), as it was after."""
+    token = var.set(value)
     try:
-        yield log
+        yield value
     finally:
-        _deciding.reset(token)
+        var.reset(token)
 
 
-@contextlib.contextmanager
-def undecided() -> Iterator[None]:
+def deciding() -> contextlib.AbstractContextManager[Decisions]:
+    """Record the decisions taken from Sizes inside."""
+    return _set(_deciding, Decisions())
+
+
+def undecided() -> contextlib.AbstractContextManager[None]:
     """Comparisons inside decide no correctness, only cost (which pooled block a buffer
     takes): not recorded, and what they chose must hold at every size by itself."""
-    token = _deciding.set(None)
-    try:
-        yield
-    finally:
-        _deciding.reset(token)
+    return _set(_deciding, None)
 
 
 def _text(x: Any) -> str:
@@ -362,15 +363,9 @@ def _combine(a: Any, b: Any, op: str, fn: Any) -> Any:
     return Size(value, text, leaves)
 
 
-@contextlib.contextmanager
-def symbolic_text() -> Iterator[Printed]:
+def symbolic_text() -> contextlib.AbstractContextManager[Printed]:
     """Print Sizes as their expressions inside; yields the symbols printed, with values."""
-    seen = Printed()
-    token = _printing.set(seen)
-    try:
-        yield seen
-    finally:
-        _printing.reset(token)
+    return _set(_printing, Printed())
 
 
 # C helpers the expressions call: floor division and modulo as Python defines them (C's

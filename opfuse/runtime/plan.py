@@ -530,7 +530,7 @@ def _plan_memory(graph: Graph, p: _Planner) -> tuple[list[int], list[tuple[int, 
                 and m.is_contiguous()
                 and m.offset == 0
             ):
-                step.out_block = best_fit(si, last_read[node], _storage_bytes(m))
+                step.out_block = best_fit(si, last_read[node], storage_bytes(m))
                 step.out_meta = m
                 block_of[node] = step.out_block
                 p.torch_made.discard(node)  # pool memory: never stolen or donated
@@ -559,7 +559,7 @@ def _plan_memory(graph: Graph, p: _Planner) -> tuple[list[int], list[tuple[int, 
             if node in escapes or not isinstance(node.meta, TensorMeta):
                 continue
             end = last_read.get(node, si)
-            size = _storage_bytes(a.meta)
+            size = storage_bytes(a.meta)
             if isinstance(src, In):
                 src_node = graph.nodes[src.slot]
                 src_base = alias_of.get(src_node, src_node)
@@ -667,6 +667,6 @@ def _fit(block: int, size: int) -> int:
     return block - size if block >= size else (size - block) * 4
 
 
-def _storage_bytes(m: TensorMeta) -> int:
+def storage_bytes(m: TensorMeta) -> int:
     """Bytes spanned by a strided tensor (its largest offset + 1 element)."""
     return m.span * m.dtype.itemsize

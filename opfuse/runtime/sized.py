@@ -19,14 +19,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..ir.graph import CONSTANT, TensorMeta
 from ..ir.size import Size, value_at
+from ..settings import flag
 from .execute import Const, In, KernelStep, Out, Plan, Runtime, Scratch, TorchStep
+from .plan import storage_bytes
 
 if TYPE_CHECKING:
     from ..pipeline import CompiledGraph
@@ -132,15 +134,14 @@ def pool_sizes(plan: Plan, values: Mapping[str, int]) -> list[int]:
     for s in plan.steps:
         if isinstance(s, TorchStep):
             if s.out_block is not None and s.out_meta is not None:
-                nbytes = _meta(s.out_meta, values).span * s.out_meta.dtype.itemsize
+                nbytes = storage_bytes(_meta(s.out_meta, values))
                 out[s.out_block] = max(out[s.out_block], nbytes)
             continue
         for a in s.args:
             if isinstance(a, Scratch) and a.block is not None:
                 out[a.block] = max(out[a.block], value_at(a.nbytes, values))
             elif isinstance(a, Out) and a.block is not None:
-                nbytes = _meta(a.meta, values).span * a.meta.dtype.itemsize
-                out[a.block] = max(out[a.block], nbytes)
+                out[a.block] = max(out[a.block], storage_bytes(_meta(a.meta, values)))
     return out
 
 
@@ -206,6 +207,16 @@ def _value(v: Any, values: Mapping[str, int]) -> Any:
     if type(v) in (list, tuple):
         return type(v)(_value(x, values) for x in v)
     return v
+
+
+def check(served: CompiledGraph, compile_here: Callable[[], CompiledGraph]) -> None:
+    """Under OPFUSE_CHECK_SERVED: compile the served size as well (`compile_here`) and raise
+    where the two differ."""
+    if not flag("OPFUSE_CHECK_SERVED"):
+        return
+    problem = differences(served, compile_here())
+    if problem is not None:
+        raise AssertionError(f"opfuse: a served size differs from its compile: {problem}")
 
 
 def differences(served: CompiledGraph, fresh: CompiledGraph) -> str | None:
