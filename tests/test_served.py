@@ -15,7 +15,7 @@ from torch import nn
 
 import opfuse
 from opfuse.frontend import dynamo
-from opfuse.ir.size import Size, deciding, gcd, undecided
+from opfuse.ir.size import Size, deciding, gcd, undecided, value_at
 from opfuse.runtime.sized import why_not
 from tests.conftest import caches_of_the_reference_host
 from tests.test_sizes import _Block, _encoder
@@ -86,6 +86,50 @@ def test_opfuse_compile_serves_lengths_from_its_export(monkeypatch: pytest.Monke
     ]
     assert served == [False, False, True, True, True, True]
     assert why_not(next(iter(c._entries.values())).compiled) == "its sizes are static"
+
+
+def test_long_lengths_fuse_attention_and_serve_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From 256 tokens the attention is one fused call (its new nodes' sizes found by trial
+    runs of their meta functions, tested again where a compile serves) and every GEMM
+    splits its rows in tiles of one expression of the length: one compile serves 256 to
+    512 tokens."""
+    model, inputs = _encoder()
+    caches_of_the_reference_host(monkeypatch)
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="opfuse", dynamic=True)
+    before = dynamo.compiles()
+    with torch.no_grad(), dynamo.listening() as reports:
+        for s in (256, 300, 512, 384):
+            x = inputs(s)
+            torch.testing.assert_close(f(*x), model(*x), rtol=1e-4, atol=1e-4)
+    torch._dynamo.reset()
+    assert dynamo.compiles() - before == 1
+    assert any(r.patterns().get("attention") == 2 for r in reports)  # (two layers)
+    assert sum(any("served by the compile at" in d for d in r.dynamic) for r in reports) == 3
+
+
+def test_a_meta_found_by_trial_runs_serves_only_where_the_op_agrees() -> None:
+    """A rewrite's new node: its sizes come from trial runs of the op's meta function, and
+    where no expression fits (kron of two [s] vectors: s * s) the value stays. Neither
+    decides the symbols' values; a test does, running the meta function where a compile
+    would serve."""
+    from opfuse.ir.graph import GraphBuilder, TensorMeta
+    from opfuse.ir.meta import infer_meta
+
+    aten = torch.ops.aten
+    s = Size.symbol("s0", 40)
+    b = GraphBuilder()
+    x = b.add("input", (), meta=TensorMeta((s, 8), (8, 1), torch.float32))
+    v = b.add("input", (), meta=TensorMeta((s,), (1,), torch.float32))
+    with deciding() as d:
+        rows = infer_meta(aten.view.default, (x, [s * 2, 4]), {})
+    assert d.outcomes == {} and len(d.tests) == 1
+    assert d.hold({"opfuse_s0": 40}) and d.hold({"opfuse_s0": 977})
+    assert value_at(rows.shape[0], {"opfuse_s0": 977}) == 1954
+    with deciding() as d:
+        kron = infer_meta(aten.kron.default, (v, v), {})
+    assert kron.shape == (1600,) and not isinstance(kron.shape[0], Size)
+    assert d.hold({"opfuse_s0": 40}) and not d.hold({"opfuse_s0": 41})
 
 
 def test_a_full_cache_serves_new_sizes_in_place_of_served_ones(

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+import functools
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
+from . import size
 from .graph import Node, TensorMeta, map_args
-from .size import Size, value_at
+from .size import Size, value, value_at
 
 
 def _fake(m: TensorMeta, at: dict[str, int] | None = None) -> torch.Tensor:
@@ -35,10 +37,58 @@ def infer_meta(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], like:
                 device = a.meta.device
                 break
     meta = _to_meta(_run(target, args, kwargs, None), device)
-    if like is not None and meta == like:
-        return like  # a node re-inferred as it was: its Sizes hold, no trial runs
     known = _sizes_in(args, kwargs)
-    return _with_sizes(meta, target, args, kwargs, known) if known else meta
+    if not known:
+        return meta
+    if like is not None and _layout_at(like, {}, True) == _layout_at(meta, {}, True):
+        meta = like  # a node re-inferred as it was: its Sizes hold, no trial runs
+    else:
+        meta = _with_sizes(meta, target, args, kwargs, known)
+    log = size.decisions()
+    if log is not None:
+        # The Sizes found hold at the trial values; a compile serving other sizes
+        # (runtime/sized.py) needs them there too: the op's meta run at those.
+        log.test(functools.partial(_holds, meta, target, _stand_ins(args), _stand_ins(kwargs)))
+    return meta
+
+
+def _holds(
+    meta: Any, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], at: Mapping[str, int]
+) -> bool:
+    """Does `target`'s meta at the symbol values `at` lay out as `meta` evaluated there?"""
+    try:
+        got = _to_meta(_run(target, args, kwargs, dict(at)), "meta")
+    except Exception:  # the op admits no such sizes: the compile's would not either
+        return False
+    return _layout_at(got, at) == _layout_at(meta, at)
+
+
+def _layout_at(m: Any, at: Mapping[str, int], device: bool = False) -> Any:
+    """Shapes, strides, offsets and dtypes (and devices) of a meta (or tuple of them),
+    plain ints with the symbols at `at` (by C name; those not named keep their values)."""
+    if isinstance(m, TensorMeta):
+        return (
+            tuple(value_at(s, at) for s in m.shape),
+            tuple(value_at(s, at) for s in m.stride),
+            value_at(m.offset, at),
+            m.dtype,
+            m.device if device else None,
+        )
+    if isinstance(m, tuple):
+        return tuple(_layout_at(x, at, device) for x in m)
+    return m
+
+
+def _stand_ins(v: Any) -> Any:
+    """Arguments with each tensor Node replaced by its meta (what trial runs read of it),
+    so a recorded test keeps no graph alive."""
+    if isinstance(v, Node) and isinstance(v.meta, TensorMeta):
+        return v.meta
+    if isinstance(v, dict):
+        return {k: _stand_ins(x) for k, x in v.items()}
+    if isinstance(v, (tuple, list)):
+        return type(v)(_stand_ins(x) for x in v)
+    return v
 
 
 def _run(
@@ -47,6 +97,8 @@ def _run(
     def sub(v: Any) -> Any:
         if isinstance(v, Node):
             return _fake(v.tensor, at)
+        if isinstance(v, TensorMeta):  # (a stand-in: _stand_ins)
+            return _fake(v, at)
         if isinstance(v, torch.device):
             return "meta"
         if at is not None and isinstance(v, Size):
@@ -133,7 +185,7 @@ def _with_sizes(
             return [
                 c
                 for c in group
-                if int(c) == v0 and all(value_at(c, t) == v for t, v in zip(trials, vs))
+                if value(c) == v0 and all(value_at(c, t) == v for t, v in zip(trials, vs))
             ]
 
         for k, group in enumerate(groups):
@@ -205,7 +257,7 @@ def _item(get: Callable[[Any], Any], i: int) -> Callable[[Any], Any]:
 
 
 def _text(c: int) -> str:
-    return c.text if isinstance(c, Size) else str(int(c))
+    return c.text if isinstance(c, Size) else str(c)
 
 
 def _scaled(known: list[Size], v0: int) -> list[int]:
@@ -213,7 +265,7 @@ def _scaled(known: list[Size], v0: int) -> list[int]:
     into rows: s0 * 1024; an unflatten: (s0 * 1024) // 1024 stays s0's expression)."""
     out: list[int] = []
     for c in known:
-        k = int(c)
+        k = value(c)
         if k and v0 % k == 0:
             out.append(c * (v0 // k))
         if v0 and k and k % v0 == 0:  # (a Size that is 0 here: an offset)
@@ -226,7 +278,7 @@ def _summed(known: list[Size], v0: int) -> Iterator[int]:
     expression, as a pool's right-hand pad is), offsets up to 16."""
     for i, c1 in enumerate(known):
         for c2 in known[i + 1 :]:
-            b = v0 - int(c1) - int(c2)
+            b = v0 - value(c1) - value(c2)
             if abs(b) <= 16:
                 yield c1 + c2 + b
 
@@ -236,7 +288,7 @@ def _windowed(known: list[Size], v0: int) -> Iterator[int]:
     convolution's or pool's output height, (H + 2p - k) // s + 1), strides up to 8 and
     offsets up to 16. Tried last, lazily: only sizes no simpler expression gives."""
     for c in known:
-        k = int(c)
+        k = value(c)
         for s in range(1, 9):
             for a in range(s):
                 b = v0 - (k + a) // s
@@ -247,7 +299,7 @@ def _windowed(known: list[Size], v0: int) -> Iterator[int]:
 def _dense_strides(shape: tuple[int, ...], stride: tuple[int, ...]) -> list[int]:
     """The strides of a dense tensor of `shape` with its dims in the order `stride` puts
     them (outermost first; equal strides in dim order), as Size arithmetic."""
-    order = sorted(range(len(shape)), key=lambda i: (-int(stride[i]), i))
+    order = sorted(range(len(shape)), key=lambda i: (-value(stride[i]), i))
     out = [1] * len(shape)
     acc: int = 1
     for i in reversed(order):

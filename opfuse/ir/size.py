@@ -31,7 +31,7 @@ import contextvars
 import functools
 import math
 import operator
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -83,13 +83,20 @@ class Decisions:
     def __init__(self) -> None:
         self.outcomes: dict[tuple[str, str, str], bool] = {}
         self.check: Any = None  # (compiled once from the outcomes: hold())
+        # what no expression says: a test of the symbols' values, true where the decision
+        # comes out the same (a meta inferred by trial runs: the op's meta run there)
+        self.tests: list[Callable[[Mapping[str, int]], bool]] = []
 
     def note(self, left: str, op: str, right: str, outcome: bool) -> None:
         self.outcomes.setdefault((left, op, right), outcome)
         self.check = None
 
+    def test(self, holds: Callable[[Mapping[str, int]], bool]) -> None:
+        """Record a decision as a test of the symbols' values (by C name)."""
+        self.tests.append(holds)
+
     def __len__(self) -> int:
-        return len(self.outcomes)
+        return len(self.outcomes) + len(self.tests)
 
     def hold(self, values: Mapping[str, int]) -> bool:
         """Would every decision come out the same with the symbols at `values` (by C
@@ -100,9 +107,11 @@ class Decisions:
             ]
             self.check = compile(" and ".join(terms) or "True", "<decisions>", "eval")
         try:
-            return bool(eval(self.check, _EVAL_GLOBALS, dict(values)))
+            if not eval(self.check, _EVAL_GLOBALS, dict(values)):
+                return False
         except (NameError, ArithmeticError, ValueError, TypeError):
             return False
+        return all(holds(values) for holds in self.tests)
 
 
 _deciding: contextvars.ContextVar[Decisions | None] = contextvars.ContextVar(
@@ -123,6 +132,11 @@ def _set(var: contextvars.ContextVar[Any], value: T) -> Iterator[T]:
 def deciding() -> contextlib.AbstractContextManager[Decisions]:
     """Record the decisions taken from Sizes inside."""
     return _set(_deciding, Decisions())
+
+
+def decisions() -> Decisions | None:
+    """The decisions being recorded (deciding()), or None."""
+    return _deciding.get()
 
 
 def undecided() -> contextlib.AbstractContextManager[None]:

@@ -26,6 +26,7 @@ from ..ir.graph import CONSTANT, GETITEM, INPUT, STATIC, Graph, Node, bind
 from ..ir.index import Ix, Var, address
 from ..ir.ops import VIEW_OPS
 from ..ir.scalar import walk
+from ..ir.size import is_size
 from ..ir.uses import used_outside
 from ..tools.caches import l1_bytes, l2_bytes
 from .kernel import Kernel, map_indices
@@ -246,11 +247,19 @@ def tiles(spec: GemmSpec, threads: int, epilogue: bool = True, panel: int = 64) 
     m, n = spec.m, spec.n
     if spec.batch >= threads:
         return m, n
-    if m >= 128 * threads:
+    split_rows = m >= 128 * threads
+    if split_rows:
         tm, tn = -(-m // threads), n
     else:
         tm = m
         tn = _round_up(-(-n // threads), panel)
+    if epilogue and split_rows and is_size(m):
+        # Rows split at a symbolic size: whole rounds of tiles of at most the rows that
+        # fit, in 16s, as one expression of m (halving the columns as m grows, as below,
+        # made a new source at every doubling of m). BERT-base at 384 and 512 tokens, all
+        # its GEMMs tiled this way: 1.002x and 1.006x the time of the columns halved.
+        fit = max(128, TILE_MAX_ELEMENTS // tn // 16 * 16)
+        return min(_round_up(even_tiles(m, fit, threads), 16), m), tn
     if epilogue:
         while tm * tn > TILE_MAX_ELEMENTS and tn > 512:
             tn = _round_up(tn // 2, 64)
