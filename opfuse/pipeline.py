@@ -112,6 +112,9 @@ def compile_graphs(
     opts = options or Options()
     symbols = size_symbols(graphs)
     with collector_paused(), scalar.sized(symbols), deciding() as decisions:
+        for g in graphs:  # what the capture took from the sizes as plain numbers
+            for fixed in g.fixed:
+                decisions.test(fixed)
         out = _compile_graphs(graphs, opts, eager_kernels)
     if symbols:
         values = dict(symbols)

@@ -4,6 +4,7 @@ size is compiled as well, and its source and plan compared with the served ones.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -130,6 +131,46 @@ def test_a_meta_found_by_trial_runs_serves_only_where_the_op_agrees() -> None:
         kron = infer_meta(aten.kron.default, (v, v), {})
     assert kron.shape == (1600,) and not isinstance(kron.shape[0], Size)
     assert d.hold({"opfuse_s0": 40}) and not d.hold({"opfuse_s0": 41})
+
+
+class _SizeValued(nn.Module):
+    """Numbers computed from a symbolic size: a float (n / 3, a SymFloat), torch.full of
+    one, and math.sqrt of one (decomposed to scalar_tensor(n), a constant to fold)."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind, self.lin = kind, nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[1]
+        if self.kind == "float":
+            return self.lin(x) + n / 3
+        if self.kind == "full":
+            return self.lin(x) + torch.full((1, n, 1), n * 0.1)
+        return (self.lin(x) / math.sqrt(n)).softmax(-1)
+
+
+@pytest.mark.parametrize("kind", ["float", "full", "sqrt"])
+@pytest.mark.parametrize("entry", ["torch.compile", "opfuse.compile"])
+def test_a_number_computed_from_a_size_is_served_only_where_it_is_the_same(
+    kind: str, entry: str
+) -> None:
+    """The capture takes such a number as a plain value (recorded in Graph.fixed, a test
+    of the sizes), and no constant is folded from a size: a compile serves no size where
+    the number differs (each served one had the first size's number: wrong)."""
+    torch.manual_seed(0)
+    model = _SizeValued(kind).eval()
+    torch._dynamo.reset()
+    x8 = torch.randn(2, 8, 16)
+    if entry == "torch.compile":
+        f: Any = torch.compile(model, backend="opfuse", dynamic=True)
+    else:
+        f = opfuse.compile(model, (x8,))
+    with torch.no_grad():
+        for n in (8, 12, 20, 12, 7):
+            x = x8 if n == 8 else torch.randn(2, n, 16)
+            torch.testing.assert_close(f(x), model(x), rtol=1e-4, atol=1e-4)
+    torch._dynamo.reset()
 
 
 def test_a_full_cache_serves_new_sizes_in_place_of_served_ones(

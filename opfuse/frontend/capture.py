@@ -33,6 +33,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from torch.utils import _pytree as pytree
 
 from ..ir.graph import GETITEM, INPUT, STATIC, Graph, GraphBuilder, Node, Source, TensorMeta
+from ..ir.size import Size
 from . import sizes, structure
 from .decompose import (
     CALLER_ONEDNN,
@@ -626,52 +627,56 @@ def _convert(
             return env[a]
         if isinstance(a, (list, tuple)):
             return type(a)(arg(x) for x in a)
-        return _concrete(a)
+        sizes.fix(a, value := _concrete(a))
+        return value
 
-    for n in gm.graph.nodes:
-        if n.op == "placeholder":
-            kind, payload = placeholders[n.name]
-            if kind == "input":
-                kw = {STATIC: True} if n.name in static else None
-                env[n] = b.add(INPUT, (), kw, meta=meta_of(n, value_of(n)), name=n.name)
-                input_roles.append(payload)
-            elif kind == "constant":
-                env[n] = b.constant(payload[1], _safe_name(payload[0]))
+    with sizes.fixing(b.fixed):  # (the values taken from symbolic sizes: Graph.fixed)
+        for n in gm.graph.nodes:
+            if n.op == "placeholder":
+                kind, payload = placeholders[n.name]
+                if kind == "input":
+                    kw = {STATIC: True} if n.name in static else None
+                    env[n] = b.add(INPUT, (), kw, meta=meta_of(n, value_of(n)), name=n.name)
+                    input_roles.append(payload)
+                elif kind == "constant":
+                    env[n] = b.constant(payload[1], _safe_name(payload[0]))
+                else:
+                    env[n] = payload
+                    if not isinstance(payload, Size):  # (a size input given as a number)
+                        sizes.fix(n.meta.get("val"), payload)
+            elif n.op == "get_attr":
+                t = _fetch_attr(gm, n.target)
+                env[n] = b.constant(
+                    t.detach() if isinstance(t, torch.Tensor) else t, _safe_name(n.target)
+                )
+            elif n.op == "call_function":
+                v = value_of(n)
+                if not isinstance(v, (torch.Tensor, tuple, list)) and not _is_tensor_op(n):
+                    # Size arithmetic: a plain value (a Size where dynamo has it symbolic).
+                    env[n] = sizes.sized(_concrete(v), n.meta.get("val"), bound)
+                    continue
+                op = _op_name(n.target)
+                if op in _SKIP:
+                    continue
+                env[n] = b.add(
+                    op,
+                    arg(n.args),
+                    {k: arg(v2) for k, v2 in n.kwargs.items()},
+                    meta=meta_of(n, v),
+                    name=n.name,
+                    source=_source(n),
+                    target=n.target,
+                )
+            elif n.op == "output":
+                outs = n.args[0]
+                outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+                results = [env.get(o) if isinstance(o, torch.fx.Node) else o for o in outs]
+                if len(strides) == len(results):
+                    results = [_restride(b, r, s) for r, s in zip(results, strides)]
+                graph = b.build(results)
+                return graph, env
             else:
-                env[n] = payload
-        elif n.op == "get_attr":
-            t = _fetch_attr(gm, n.target)
-            env[n] = b.constant(
-                t.detach() if isinstance(t, torch.Tensor) else t, _safe_name(n.target)
-            )
-        elif n.op == "call_function":
-            v = value_of(n)
-            if not isinstance(v, (torch.Tensor, tuple, list)) and not _is_tensor_op(n):
-                # Size arithmetic: a plain value (a Size where dynamo has it symbolic).
-                env[n] = sizes.sized(_concrete(v), n.meta.get("val"), bound)
-                continue
-            op = _op_name(n.target)
-            if op in _SKIP:
-                continue
-            env[n] = b.add(
-                op,
-                arg(n.args),
-                {k: arg(v2) for k, v2 in n.kwargs.items()},
-                meta=meta_of(n, v),
-                name=n.name,
-                source=_source(n),
-                target=n.target,
-            )
-        elif n.op == "output":
-            outs = n.args[0]
-            outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-            results = [env.get(o) if isinstance(o, torch.fx.Node) else o for o in outs]
-            if len(strides) == len(results):
-                results = [_restride(b, r, s) for r, s in zip(results, strides)]
-            graph = b.build(results)
-            return graph, env
-        else:
-            raise CaptureError(f"unsupported fx node {n.op} {n.target}")
+                raise CaptureError(f"unsupported fx node {n.op} {n.target}")
     raise CaptureError("graph has no output")
 
 

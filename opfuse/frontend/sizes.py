@@ -10,15 +10,18 @@ arithmetic on Sizes, and kept only where it gives the value the call has.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import operator
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import sympy
 import torch
 
 from ..ir.graph import TensorMeta
-from ..ir.size import Size
+from ..ir.size import PREFIX, Size
+from ..ir.size import value as size_value
 
 Binding = dict[str, int]  # symbol name -> its value at this call
 
@@ -44,19 +47,69 @@ def _learn(out: Binding, s: Any, value: int) -> None:
 
 def sized(value: Any, symbolic: Any, binding: Binding) -> Any:
     """`value` (a plain int) as a Size when `symbolic` is an expression of the bound
-    symbols that evaluates to it; else `value`."""
-    if not binding or not isinstance(value, int) or isinstance(value, bool):
-        return value
+    symbols that evaluates to it; else `value`, which, where `symbolic` is an expression
+    of symbols (a float, a bool, a size with no C form), is recorded as fixed
+    (`fixing`)."""
     expr = getattr(getattr(symbolic, "node", None), "expr", None)
     if expr is None or not getattr(expr, "free_symbols", None):
         return value
-    try:
-        got = _evaluate(expr, binding)
-    except (KeyError, TypeError, ValueError, ZeroDivisionError):
-        return value
-    if isinstance(got, Size) and int(got) == value:
-        return got
+    if binding and isinstance(value, int) and not isinstance(value, bool):
+        try:
+            got = _evaluate(expr, binding)
+        except (KeyError, TypeError, ValueError, ZeroDivisionError):
+            got = None
+        if isinstance(got, Size) and size_value(got) == value:
+            return got
+    fix(symbolic, value)
     return value
+
+
+class Fixed:
+    """A value the capture took from an expression of size symbols as a plain number: a
+    test of the symbols' values (by C name) that the expression gives it there too."""
+
+    def __init__(self, expr: Any, value: Any) -> None:
+        self.expr, self.value = expr, value
+
+    def __repr__(self) -> str:
+        return f"{self.expr} = {self.value}"
+
+    def __call__(self, values: Mapping[str, int]) -> bool:
+        at = {}
+        for sym in self.expr.free_symbols:
+            v = values.get(PREFIX + str(sym))
+            if v is None:
+                return False
+            at[sym] = sympy.Integer(v)
+        try:
+            return bool(type(self.value)(self.expr.xreplace(at)) == self.value)
+        except (TypeError, ValueError, ArithmeticError):
+            return False
+
+
+_fixed: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
+    "opfuse_fixed_sizes", default=None
+)
+
+
+@contextlib.contextmanager
+def fixing(into: list[Any]) -> Iterator[None]:
+    """Record the values taken from symbolic expressions as plain numbers inside (into
+    `into`: a Graph's `fixed`)."""
+    token = _fixed.set(into)
+    try:
+        yield
+    finally:
+        _fixed.reset(token)
+
+
+def fix(symbolic: Any, value: Any) -> None:
+    """`symbolic` (a SymInt, SymFloat or SymBool, or anything else) taken as the plain
+    `value`: recorded where it is an expression of size symbols."""
+    expr = getattr(getattr(symbolic, "node", None), "expr", None)
+    log = _fixed.get()
+    if log is not None and expr is not None and getattr(expr, "free_symbols", None):
+        log.append(Fixed(expr, value))
 
 
 def is_symbolic(size: Any) -> bool:

@@ -9,7 +9,7 @@ changes the program builds a new Graph with `GraphBuilder` and leaves the old on
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -180,6 +180,9 @@ class Graph:
     nodes: tuple[Node, ...]  # includes inputs and constants, topologically sorted
     outputs: tuple[Any, ...]  # Nodes, or plain values (None, ints AOTAutograd saves)
     constants: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    # Values the capture took from symbolic sizes as plain numbers (s0 / 3, a SymBool):
+    # each a test of the symbols' values (by C name), true where it comes out the same
+    fixed: tuple[Callable[[Mapping[str, int]], bool], ...] = ()
 
     @functools.cached_property
     def users(self) -> dict[Node, list[Node]]:
@@ -226,6 +229,7 @@ class GraphBuilder:
         self.constants: dict[str, torch.Tensor] = dict(constants or {})
         self.remap: dict[Node, Node] = {}
         self._names: set[str] = set()
+        self.fixed: list[Callable[[Mapping[str, int]], bool]] = []  # (Graph.fixed)
 
     def _unique(self, name: str) -> str:
         base, i = name, 1
@@ -323,6 +327,7 @@ class GraphBuilder:
     def copy_from(self, graph: Graph) -> GraphBuilder:
         """Prepare to copy nodes out of `graph` (its constants become available)."""
         self._old_constants = graph.constants
+        self.fixed.extend(graph.fixed)
         return self
 
     def build(self, outputs: Sequence[Any]) -> Graph:
@@ -331,7 +336,7 @@ class GraphBuilder:
         nodes = tuple(n for n in self.nodes if n in live or n.op == INPUT)
         used_consts = {n.name for n in nodes if n.op == CONSTANT}
         consts = {k: v for k, v in self.constants.items() if k in used_consts}
-        return Graph(tuple(self.inputs), nodes, outs, consts)
+        return Graph(tuple(self.inputs), nodes, outs, consts, tuple(self.fixed))
 
 
 def default_name(op: str) -> str:

@@ -7,6 +7,8 @@ Copies a library call or the caller reads whole become kernels (`copies_in_kerne
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from ..fusion.classify import SUPPORTED_DTYPES
@@ -91,6 +93,10 @@ def _foldable(n: Node, b: GraphBuilder, values: dict[Node, torch.Tensor]) -> boo
         # sized by a symbol (position embeddings gathered for the sequence length): folded,
         # its value would be this size's alone, and the compile could serve no other size
         return False
+    if _reads_size(n.args) or _reads_size(tuple(v for _, v in n.kwargs)):
+        # computed from a symbol (scalar_tensor(s0), math.sqrt of a size): torch would read
+        # its value unrecorded, and the folded constant would be served at other sizes
+        return False
     limit = MAX_FOLD_NUMEL if n.inputs() else MAX_GENERATED_NUMEL
     if sum(m.numel for m in metas if isinstance(m, TensorMeta)) > limit:
         return False
@@ -101,6 +107,10 @@ def _foldable(n: Node, b: GraphBuilder, values: dict[Node, torch.Tensor]) -> boo
     # with side effects).
     deterministic = row.kind in (Kind.REDUCTION, Kind.ANCHOR) or n.op in CONSTANT_FOLDABLE
     return deterministic and bool(n.inputs())
+
+
+def _reads_size(args: tuple[Any, ...]) -> bool:
+    return any(is_size(a) or (isinstance(a, (tuple, list)) and _reads_size(tuple(a))) for a in args)
 
 
 def split_to_views(graph: Graph) -> Graph:
