@@ -173,6 +173,31 @@ def test_a_number_computed_from_a_size_is_served_only_where_it_is_the_same(
     torch._dynamo.reset()
 
 
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda x: x.amax(-1) + x.shape[-1],
+        lambda x: (x > 0).sum(-1) * x.shape[-1] - x.shape[0],
+        lambda x: torch.where(x > 0, x * 2, x.new_zeros(()) + x.shape[1]).half() * 3,
+        lambda x: x + torch.arange(x.shape[1]) * x.shape[1],
+    ],
+    ids=["float", "int", "half", "positions"],
+)
+def test_a_size_as_a_scalar_prints_as_its_expression(fn: Any) -> None:
+    """A size in a kernel's arithmetic (x + n, a count times n) is a constant that prints
+    as its expression, converted to the dtype in C: one compile serves every size (each
+    size compiled, its value a literal, before)."""
+    torch._dynamo.reset()
+    f = torch.compile(fn, backend="opfuse", dynamic=True)
+    before = dynamo.compiles()
+    with torch.no_grad():
+        for n in (9, 12, 20, 33, 17):
+            x = torch.randn(5, n)
+            torch.testing.assert_close(f(x), fn(x))
+    torch._dynamo.reset()
+    assert dynamo.compiles() - before == 1
+
+
 def test_a_full_cache_serves_new_sizes_in_place_of_served_ones(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -319,6 +319,8 @@ def sized(symbols: tuple[tuple[str, int], ...]) -> Iterator[None]:
 def const(value: Any, dtype: torch.dtype) -> Expr:
     if dtype == torch.bool:
         value = bool(value)
+    elif isinstance(value, Size):
+        pass  # a symbolic size's value: printed as its expression, converted in C
     elif dtype.is_floating_point:
         value = float(value)
     else:

@@ -343,6 +343,8 @@ def is_size(x: object) -> bool:
 def _combine(a: Any, b: Any, op: str, fn: Any) -> Any:
     # (hot: tens of thousands of calls a compile; each test done once)
     if not (isinstance(a, int) and isinstance(b, int)) or bool in (a.__class__, b.__class__):
+        if isinstance(a, (float, bool)) or isinstance(b, (float, bool)):
+            _given_up(a, b)  # (float's and int's own operators read the value unrecorded)
         return NotImplemented
     sa, sb = isinstance(a, Size), isinstance(b, Size)
     ia, ib = int.__int__(a), int.__int__(b)
