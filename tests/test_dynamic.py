@@ -213,12 +213,12 @@ def _compiles_over(f: Any, fn: Any, rows: Iterable[int], width: int) -> int:
 
 def test_mostly_symbolic_graphs_compile_per_size_then_run_generically() -> None:
     """A graph whose work is all symbolic and whose every size decides otherwise (it divides
-    by the row count: that value is decided, runtime/sized.py): each size compiles, up to
-    the cache limit; past it the generic compile (here: nothing static, all torch)
-    serves."""
+    by a third of the row count, a float the capture takes as a value: runtime/sized.py):
+    each size compiles, up to the cache limit; past it the generic compile (here: nothing
+    static, all torch) serves."""
     pipeline._warned.clear()
     torch._dynamo.reset()
-    fn = lambda x: (x * 2).relu().sum(-1) / x.shape[0]
+    fn = lambda x: (x * 2).relu().sum(-1) / (x.shape[0] / 3)
     f = torch.compile(fn, backend="opfuse", dynamic=True, options={"cache_limit": 2})
     with pytest.warns(RuntimeWarning, match="compiled for 2 input shapes.*static parts fused"):
         assert _compiles_over(f, fn, range(2, 7), 8) == 2
