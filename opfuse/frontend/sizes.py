@@ -13,14 +13,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import operator
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import sympy
 import torch
 
 from ..ir.graph import TensorMeta
-from ..ir.size import PREFIX, Size
+from ..ir.size import PREFIX, Size, scoped
 from ..ir.size import value as size_value
 
 Binding = dict[str, int]  # symbol name -> its value at this call
@@ -40,9 +40,16 @@ def bind(placeholders: Sequence[Any], example_inputs: Sequence[Any]) -> Binding:
 
 
 def _learn(out: Binding, s: Any, value: int) -> None:
-    expr = getattr(getattr(s, "node", None), "expr", None)
+    expr = _expr(s)
     if isinstance(expr, sympy.Symbol):
         out.setdefault(str(expr), value)
+
+
+def _expr(symbolic: Any) -> Any:
+    """The sympy expression of a SymInt, SymFloat or SymBool where it has size symbols in
+    it; else None (a plain value, or a symbolic value dynamo has made a constant)."""
+    expr = getattr(getattr(symbolic, "node", None), "expr", None)
+    return expr if getattr(expr, "free_symbols", None) else None
 
 
 def sized(value: Any, symbolic: Any, binding: Binding) -> Any:
@@ -50,8 +57,8 @@ def sized(value: Any, symbolic: Any, binding: Binding) -> Any:
     symbols that evaluates to it; else `value`, which, where `symbolic` is an expression
     of symbols (a float, a bool, a size with no C form), is recorded as fixed
     (`fixing`)."""
-    expr = getattr(getattr(symbolic, "node", None), "expr", None)
-    if expr is None or not getattr(expr, "free_symbols", None):
+    expr = _expr(symbolic)
+    if expr is None:
         return value
     if binding and isinstance(value, int) and not isinstance(value, bool):
         try:
@@ -60,7 +67,7 @@ def sized(value: Any, symbolic: Any, binding: Binding) -> Any:
             got = None
         if isinstance(got, Size) and size_value(got) == value:
             return got
-    fix(symbolic, value)
+    _record(expr, value)
     return value
 
 
@@ -92,30 +99,29 @@ _fixed: contextvars.ContextVar[list[Any] | None] = contextvars.ContextVar(
 )
 
 
-@contextlib.contextmanager
-def fixing(into: list[Any]) -> Iterator[None]:
+def fixing(into: list[Any]) -> contextlib.AbstractContextManager[list[Any]]:
     """Record the values taken from symbolic expressions as plain numbers inside (into
     `into`: a Graph's `fixed`)."""
-    token = _fixed.set(into)
-    try:
-        yield
-    finally:
-        _fixed.reset(token)
+    return scoped(_fixed, into)
 
 
 def fix(symbolic: Any, value: Any) -> None:
     """`symbolic` (a SymInt, SymFloat or SymBool, or anything else) taken as the plain
     `value`: recorded where it is an expression of size symbols."""
-    expr = getattr(getattr(symbolic, "node", None), "expr", None)
+    expr = _expr(symbolic)
+    if expr is not None:
+        _record(expr, value)
+
+
+def _record(expr: Any, value: Any) -> None:
     log = _fixed.get()
-    if log is not None and expr is not None and getattr(expr, "free_symbols", None):
+    if log is not None:
         log.append(Fixed(expr, value))
 
 
 def is_symbolic(size: Any) -> bool:
     """Is `size` (an int or a SymInt) an expression of symbols?"""
-    expr = getattr(getattr(size, "node", None), "expr", None)
-    return bool(getattr(expr, "free_symbols", None))
+    return _expr(size) is not None
 
 
 def has_symbolic_sizes(t: torch.Tensor) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .size import Size
+from .size import Size, value_at
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,19 @@ class TensorMeta:
 
     def is_contiguous(self) -> bool:
         return self.stride == contiguous_strides(self.shape) or self.numel <= 1
+
+    def at(self, values: Mapping[str, int]) -> TensorMeta:
+        """This meta in plain ints where the size symbols take `values` (by C name; a
+        symbol not named keeps its value): a compile's layout at the sizes it serves."""
+        if not any(isinstance(v, Size) for v in (*self.shape, *self.stride, self.offset)):
+            return self
+        return TensorMeta(
+            tuple(value_at(v, values) for v in self.shape),
+            tuple(value_at(v, values) for v in self.stride),
+            self.dtype,
+            self.device,
+            value_at(self.offset, values),
+        )
 
     @staticmethod
     def of(t: torch.Tensor) -> TensorMeta:

@@ -15,11 +15,9 @@ from .size import Size, value, value_at
 
 def _fake(m: TensorMeta, at: dict[str, int] | None = None) -> torch.Tensor:
     """An empty meta tensor laid out as m; with `at`, its Sizes at those symbol values."""
-    shape, stride = m.shape, m.stride
     if at is not None:
-        shape = tuple(value_at(s, at) for s in shape)
-        stride = tuple(value_at(s, at) for s in stride)
-    return torch.empty_strided(shape, stride, dtype=m.dtype, device="meta")
+        m = m.at(at)
+    return torch.empty_strided(m.shape, m.stride, dtype=m.dtype, device="meta")
 
 
 def infer_meta(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], like: Any = None) -> Any:
@@ -37,7 +35,7 @@ def infer_meta(target: Any, args: tuple[Any, ...], kwargs: dict[str, Any], like:
                 device = a.meta.device
                 break
     meta = _to_meta(_run(target, args, kwargs, None), device)
-    known = _sizes_in(args, kwargs)
+    known = sizes_in(args, kwargs)
     if not known:
         return meta
     if like is not None and _layout_at(like, {}, True) == _layout_at(meta, {}, True):
@@ -67,13 +65,8 @@ def _layout_at(m: Any, at: Mapping[str, int], device: bool = False) -> Any:
     """Shapes, strides, offsets and dtypes (and devices) of a meta (or tuple of them),
     plain ints with the symbols at `at` (by C name; those not named keep their values)."""
     if isinstance(m, TensorMeta):
-        return (
-            tuple(value_at(s, at) for s in m.shape),
-            tuple(value_at(s, at) for s in m.stride),
-            value_at(m.offset, at),
-            m.dtype,
-            m.device if device else None,
-        )
+        m = m.at(at)
+        return (m.shape, m.stride, m.offset, m.dtype, m.device if device else None)
     if isinstance(m, tuple):
         return tuple(_layout_at(x, at, device) for x in m)
     return m
@@ -112,7 +105,7 @@ def _run(
     return target(*margs, **mkwargs)
 
 
-def _sizes_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Size]:
+def sizes_in(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Size]:
     """The Sizes the arguments carry: their tensors' sizes, strides and offsets, and the
     Sizes among the other arguments (a view's shape); one per expression."""
     found: dict[str, Size] = {}

@@ -120,7 +120,7 @@ _deciding: contextvars.ContextVar[Decisions | None] = contextvars.ContextVar(
 
 
 @contextlib.contextmanager
-def _set(var: contextvars.ContextVar[Any], value: T) -> Iterator[T]:
+def scoped(var: contextvars.ContextVar[Any], value: T) -> Iterator[T]:
     """`var` set to `value` inside (yielded), as it was after."""
     token = var.set(value)
     try:
@@ -131,7 +131,7 @@ def _set(var: contextvars.ContextVar[Any], value: T) -> Iterator[T]:
 
 def deciding() -> contextlib.AbstractContextManager[Decisions]:
     """Record the decisions taken from Sizes inside."""
-    return _set(_deciding, Decisions())
+    return scoped(_deciding, Decisions())
 
 
 def decisions() -> Decisions | None:
@@ -142,7 +142,7 @@ def decisions() -> Decisions | None:
 def undecided() -> contextlib.AbstractContextManager[None]:
     """Comparisons inside decide no correctness, only cost (which pooled block a buffer
     takes): not recorded, and what they chose must hold at every size by itself."""
-    return _set(_deciding, None)
+    return scoped(_deciding, None)
 
 
 def _text(x: Any) -> str:
@@ -381,7 +381,7 @@ def _combine(a: Any, b: Any, op: str, fn: Any) -> Any:
 
 def symbolic_text() -> contextlib.AbstractContextManager[Printed]:
     """Print Sizes as their expressions inside; yields the symbols printed, with values."""
-    return _set(_printing, Printed())
+    return scoped(_printing, Printed())
 
 
 # C helpers the expressions call: floor division and modulo as Python defines them (C's

@@ -7,12 +7,11 @@ Copies a library call or the caller reads whole become kernels (`copies_in_kerne
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ..fusion.classify import SUPPORTED_DTYPES
 from ..ir.graph import CONSTANT, GETITEM, Graph, GraphBuilder, Node, TensorMeta, bind
+from ..ir.meta import sizes_in
 from ..ir.ops import CONSTANT_FOLDABLE, VIEW_OPS, Kind, computed_where_read, info
 from ..ir.size import is_size
 
@@ -93,7 +92,7 @@ def _foldable(n: Node, b: GraphBuilder, values: dict[Node, torch.Tensor]) -> boo
         # sized by a symbol (position embeddings gathered for the sequence length): folded,
         # its value would be this size's alone, and the compile could serve no other size
         return False
-    if _reads_size(n.args) or _reads_size(tuple(v for _, v in n.kwargs)):
+    if sizes_in(n.args, dict(n.kwargs)):
         # computed from a symbol (scalar_tensor(s0), math.sqrt of a size): torch would read
         # its value unrecorded, and the folded constant would be served at other sizes
         return False
@@ -107,10 +106,6 @@ def _foldable(n: Node, b: GraphBuilder, values: dict[Node, torch.Tensor]) -> boo
     # with side effects).
     deterministic = row.kind in (Kind.REDUCTION, Kind.ANCHOR) or n.op in CONSTANT_FOLDABLE
     return deterministic and bool(n.inputs())
-
-
-def _reads_size(args: tuple[Any, ...]) -> bool:
-    return any(is_size(a) or (isinstance(a, (tuple, list)) and _reads_size(tuple(a))) for a in args)
 
 
 def split_to_views(graph: Graph) -> Graph:

@@ -114,8 +114,8 @@ def plan_at(plan: Plan, values: Mapping[str, int]) -> Plan:
                     s,
                     args=_value(s.args, values),
                     kwargs={k: _value(v, values) for k, v in s.kwargs.items()},
-                    donor=_meta(s.donor, values) if s.donor is not None else None,
-                    out_meta=_meta(s.out_meta, values) if s.out_meta is not None else None,
+                    donor=s.donor.at(values) if s.donor is not None else None,
+                    out_meta=s.out_meta.at(values) if s.out_meta is not None else None,
                 )
             )
     return dataclasses.replace(
@@ -134,14 +134,14 @@ def pool_sizes(plan: Plan, values: Mapping[str, int]) -> list[int]:
     for s in plan.steps:
         if isinstance(s, TorchStep):
             if s.out_block is not None and s.out_meta is not None:
-                nbytes = storage_bytes(_meta(s.out_meta, values))
+                nbytes = storage_bytes(s.out_meta.at(values))
                 out[s.out_block] = max(out[s.out_block], nbytes)
             continue
         for a in s.args:
             if isinstance(a, Scratch) and a.block is not None:
                 out[a.block] = max(out[a.block], value_at(a.nbytes, values))
             elif isinstance(a, Out) and a.block is not None:
-                out[a.block] = max(out[a.block], storage_bytes(_meta(a.meta, values)))
+                out[a.block] = max(out[a.block], storage_bytes(a.meta.at(values)))
     return out
 
 
@@ -180,20 +180,9 @@ def _sized(m: TensorMeta) -> bool:
     return any(isinstance(v, Size) for v in (*m.shape, *m.stride, m.offset))
 
 
-def _meta(m: TensorMeta, values: Mapping[str, int]) -> TensorMeta:
-    if not _sized(m):
-        return m
-    return dataclasses.replace(
-        m,
-        shape=tuple(value_at(v, values) for v in m.shape),
-        stride=tuple(value_at(v, values) for v in m.stride),
-        offset=value_at(m.offset, values),
-    )
-
-
 def _arg(a: Any, values: Mapping[str, int]) -> Any:
     if isinstance(a, (In, Out)):
-        return dataclasses.replace(a, meta=_meta(a.meta, values))
+        return dataclasses.replace(a, meta=a.meta.at(values))
     if isinstance(a, Const) and isinstance(a.value, Size):
         return Const(value_at(a.value, values))
     if isinstance(a, Scratch):
