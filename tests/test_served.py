@@ -245,21 +245,73 @@ def test_a_size_whose_decisions_differ_compiles_again() -> None:
     assert [c - counts[0] for c in counts] == [0, 1, 1, 1]
 
 
-def test_a_plan_with_a_library_call_set_up_at_its_size_serves_no_other() -> None:
-    """A oneDNN convolution is set up (primitive, layouts) at the size compiled: that compile
-    serves no other size, each compiles, and every one matches eager."""
+class _ConvNet(nn.Module):
+    """Convolutions with oneDNN post-ops: conv + BN + ReLU, a strided conv + SiLU, a
+    residual conv + add + ReLU, then a pool and a linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU())
+        self.down = nn.Sequential(nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.SiLU())
+        self.res = nn.Conv2d(32, 32, 3, padding=1)
+        self.head = nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.down(self.stem(x))
+        y = torch.relu(self.res(y) + y)
+        return self.head(y.mean((2, 3)))
+
+
+@pytest.mark.parametrize("implementation", ["onednn", "onednn-nhwc"])
+def test_library_calls_serve_other_batch_sizes(implementation: str) -> None:
+    """oneDNN calls take their sizes at run time and their packed weights serve any batch:
+    a compile at batch 2 serves 3 and 5 (equal to eager, NaN kept through ReLU as eager
+    keeps it: the finiteness guards), the plan's library calls set up at each."""
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()).eval()
+    net = _ConvNet().eval()
     torch._dynamo.reset()
-    f = torch.compile(net, backend="opfuse", dynamic=True)
-    before = dynamo.compiles()
+    f = torch.compile(net, backend="opfuse", options={"implementation": implementation})
     with torch.no_grad(), dynamo.listening() as reports:
-        for b in (2, 3, 4):
-            x = torch.randn(b, 3, 12, 12)
-            torch.testing.assert_close(f(x), net(x), rtol=1e-4, atol=1e-4)
+        f(torch.randn(1, 3, 16, 16))  # (static: dynamo marks the batch dynamic at 2)
+        before = dynamo.compiles()
+        for b in (2, 3, 5):
+            x = torch.randn(b, 3, 16, 16)
+            if b == 5:
+                x[1, 0, 3, 4] = float("nan")
+            y, want = f(x), net(x)
+            torch.testing.assert_close(y, want, rtol=1e-4, atol=1e-4, equal_nan=True)
+            assert torch.equal(y.isnan(), want.isnan())
     torch._dynamo.reset()
-    assert dynamo.compiles() - before == 3
-    assert not any("served by" in d for r in reports for d in r.dynamic)
+    assert dynamo.compiles() - before == 1
+    assert sum("served by" in d for r in reports for d in r.dynamic) == 2
+    assert any("onednn" in g.implementation for r in reports for g in r.groups)
+
+
+@pytest.mark.parametrize("implementation", ["onednn", "mkl-unfused", "onednn-kblocks-unfused"])
+def test_a_library_linear_serves_other_sizes(implementation: str) -> None:
+    """What a library linear reads of the sizes is set up again at the served ones (its
+    rows viewed back as batch x tokens); MKL's and oneDNN's packed weights serve any
+    rows."""
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 40).eval()  # (K over one block: lower/groups.K_BLOCK)
+    fn: Any = lambda x: torch.relu(lin(x))
+    torch._dynamo.reset()
+    options = {"implementation": implementation}
+    f = torch.compile(fn, backend="opfuse", dynamic=True, options=options)
+    before, precision = dynamo.compiles(), torch.get_float32_matmul_precision()
+    if implementation == "onednn":
+        torch.set_float32_matmul_precision("high")  # (oneDNN's one-call GEMM is allowed)
+    try:
+        with torch.no_grad(), dynamo.listening() as reports:
+            for b, t in ((2, 7), (3, 7), (4, 11)):
+                x = torch.randn(b, t, 96)
+                torch.testing.assert_close(f(x), fn(x), rtol=1e-4, atol=1e-4)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    torch._dynamo.reset()
+    assert dynamo.compiles() - before == 1
+    kind = implementation.removesuffix("-unfused")
+    assert all(g.implementation.startswith(kind) for r in reports for g in r.groups[:1])
 
 
 _KINDS = {

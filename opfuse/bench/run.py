@@ -302,6 +302,11 @@ def main(
             ("gpt2_small generate 64 tokens", "dynamic", functools.partial(dyn.run_generate, 5)),
             ("bert_base over 8 lengths", "dynamic", functools.partial(dyn.run_lengths, 5)),
             ("mobilenet_v2 over 6 batch sizes", "dynamic", functools.partial(dyn.run_batches, 5)),
+            (
+                "resnet50 over 6 batch sizes",
+                "dynamic",
+                functools.partial(dyn.run_batches, 5, name="resnet50"),
+            ),
             ("mobilenet_v2 over 5 image sizes", "dynamic", functools.partial(dyn.run_images, 5)),
         ]
     if memory and not quick:

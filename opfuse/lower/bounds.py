@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from ..ir.scalar import PRIMS, Expr
+from ..ir.size import is_size
 from .kernel import Kernel, Store
 
 # What the runtime's bound of one input buffer is, as Python source: a slot's bound
@@ -80,6 +81,8 @@ def _rule(e: Expr, leaf: Callable[[str], Leaf | None], memo: dict[Expr, str | No
     if e.dtype != torch.float32:
         return None
     if e.op == "const":
+        if is_size(e.value):
+            return None  # (a size's value would hold at this size alone)
         v = abs(float(e.value))
         return repr(v) if math.isfinite(v) else None
     if e.op == "load":

@@ -15,7 +15,7 @@ import ctypes
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -171,6 +171,9 @@ class TorchStep:
     # A library call whose fused post-op would turn NaN into a number runs only when its
     # inputs' bounds prove no NaN can reach it (finite.py); else `guard.exact` runs.
     guard: FiniteGuard | None = None
+    # A library call set up for other values of the size symbols: (fn, inplace, guard)
+    # come from `at(values).call, .inplace, .guard` (plan.BuiltCall.at; runtime/sized.py).
+    at: Callable[[Mapping[str, int]], Any] | None = None
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,10 @@ class BuiltCall:
     inplace: Callable[..., Any] | None = None
     donor: int | None = None
     guard: FiniteGuard | None = None  # bounds through the call; NaN kept by its post-op
+    # The same call set up where the size symbols take other values (by C name), sharing
+    # its packed weights: a compile serving other sizes (runtime/sized.py); None: it
+    # serves only these.
+    at: Callable[[Mapping[str, int]], BuiltCall] | None = None
 
 
 @dataclass(frozen=True)
@@ -201,6 +205,7 @@ class _Planner:
                 donate=b.donor if b.inplace is not None else None,
                 donor=output.tensor if b.inplace is not None else None,
                 guard=b.guard,
+                at=b.at,
             )
         )
         for i in inputs:

@@ -50,13 +50,12 @@ def why_not(compiled: CompiledGraph) -> str | None:
         if isinstance(step, KernelStep):
             if step.tensors:
                 return f"{step.name} is a Triton kernel"
-            if step.bound is not None:
-                return f"{step.name} carries value bounds for a guarded library call"
             continue
-        if not isinstance(step.fn, _OpOverload) or step.inplace is not None:
-            return f"{step.name} is a library call set up at this size"
-        if step.guard is not None:
-            return f"{step.name} is a guarded library call"
+        if step.at is None:
+            if not isinstance(step.fn, _OpOverload) or step.inplace is not None:
+                return f"{step.name} is a library call set up at this size"
+            if step.guard is not None:
+                return f"{step.name} is a guarded library call"
         if step.out_fn is not None and not isinstance(step.out_fn, _OpOverload):
             return f"{step.name} writes through a library call set up at this size"
     return None
@@ -109,6 +108,9 @@ def plan_at(plan: Plan, values: Mapping[str, int]) -> Plan:
         if isinstance(s, KernelStep):
             steps.append(dataclasses.replace(s, args=[_arg(a, values) for a in s.args]))
         else:
+            if s.at is not None:  # a library call set up for these sizes
+                call = s.at(values)
+                s = dataclasses.replace(s, fn=call.call, inplace=call.inplace, guard=call.guard)
             steps.append(
                 dataclasses.replace(
                     s,
@@ -168,7 +170,20 @@ def describe(plan: Plan) -> list[Any]:
             out.append((s.name, [arg(a) for a in s.args], list(s.inplace)))
         else:
             meta = _layout(s.out_meta) if s.out_meta is not None else None
-            out.append((s.name, str(s.fn), repr(s.args), repr(s.kwargs), s.output, s.view, meta))
+            # (a library call by its setup's name: its closures differ per setup)
+            fn = getattr(s.fn, "__qualname__", None) if s.at is not None else str(s.fn)
+            out.append(
+                (
+                    s.name,
+                    fn,
+                    s.guard is not None,
+                    repr(s.args),
+                    repr(s.kwargs),
+                    s.output,
+                    s.view,
+                    meta,
+                )
+            )
     return out
 
 
