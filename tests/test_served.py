@@ -287,6 +287,41 @@ def test_library_calls_serve_other_batch_sizes(implementation: str) -> None:
     assert any("onednn" in g.implementation for r in reports for g in r.groups)
 
 
+class _Stride2ThenWinograd(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        stem = nn.Conv2d(3, 32, 3, padding=1, stride=2)
+        self.stem = nn.Sequential(stem, nn.BatchNorm2d(32), nn.ReLU())
+        self.b, self.c = nn.Conv2d(32, 32, 3, padding=1), nn.Conv2d(32, 48, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.stem(x)
+        y = torch.relu(self.b(y) + y)
+        return torch.relu(self.c(y)).mean((2, 3))
+
+
+def test_convolutions_as_rows_compile_once_over_batch_and_image_sizes() -> None:
+    """Under dynamic=True the batch, height and width are symbolic: a strided stem, then 3x3
+    convolutions on opfuse's Winograd kernel (its tiles and bands expressions of the image
+    size) compile once and serve every batch and image size after."""
+    torch.manual_seed(0)
+    net = _Stride2ThenWinograd().eval()
+    torch._dynamo.reset()
+    options = {"implementation": "opfuse-winograd"}
+    f = torch.compile(net, backend="opfuse", dynamic=True, options=options)
+    with torch.no_grad(), dynamo.listening() as reports:
+        f(torch.randn(1, 3, 32, 32).contiguous(memory_format=torch.channels_last))
+        before = dynamo.compiles()
+        for b, hw in ((2, 32), (3, 32), (5, 32), (2, 40), (3, 48), (4, 34)):
+            x = torch.randn(b, 3, hw, hw).contiguous(memory_format=torch.channels_last)
+            torch.testing.assert_close(f(x), net(x), rtol=1e-4, atol=1e-4)
+    torch._dynamo.reset()
+    assert dynamo.compiles() - before == 1
+    assert sum("served by" in d for r in reports for d in r.dynamic) == 5
+    winograd = [g for g in reports[-1].groups if g.implementation.startswith("opfuse-winograd")]
+    assert len(winograd) == 2
+
+
 @pytest.mark.parametrize("implementation", ["onednn", "mkl-unfused", "onednn-kblocks-unfused"])
 def test_a_library_linear_serves_other_sizes(implementation: str) -> None:
     """What a library linear reads of the sizes is set up again at the served ones (its

@@ -277,15 +277,19 @@ class GraphBuilder:
             self.inputs.append(node)
         return node
 
-    def call(self, target: Any, *args: Arg, source: Source | None = None, **kwargs: Arg) -> Node:
-        """Append an application of ATen op `target`, its meta inferred by torch."""
+    def call(
+        self, target: Any, *args: Arg, source: Source | None = None, like: Any = None, **kwargs: Arg
+    ) -> Node:
+        """Append an application of ATen op `target`, its meta inferred by torch. `like`: a
+        meta the caller knows the result has, with the Sizes of a graph with symbolic sizes
+        (kept where torch's lays out the same: ir/meta.infer_meta)."""
         from .meta import infer_meta
 
         return self.add(
             str(target),
             args,
             kwargs,
-            meta=infer_meta(target, args, kwargs),
+            meta=infer_meta(target, args, kwargs, like=like),
             source=source,
             target=target,
         )

@@ -202,9 +202,6 @@ def _winograd(geo: Geometry, oc: int, x_stride: Sequence[int], threads: int) -> 
     g = geo
     if (g.kh, g.kw, g.sh, g.sw, g.dh, g.dw) != (3, 3, 1, 1, 1, 1):
         raise NotFusable("opfuse's Winograd kernel computes 3x3, stride-1 convolutions")
-    sizes = (g.h, g.w, g.c, g.oh, g.ow, oc, *x_stride[1:])
-    if not all(type(v) is int for v in sizes):
-        raise NotFusable("opfuse's Winograd kernel takes image sizes known at compile time")
     nhwc = (g.h * g.w * g.c, 1, g.w * g.c, g.c)
     if any(s != t for s, t, d in zip(x_stride, nhwc, (g.n, g.c, g.h, g.w)) if d > 1):
         raise NotFusable("opfuse's Winograd kernel reads a dense NHWC input")

@@ -204,6 +204,9 @@ def _rewrite(
                 y = b.call(aten.mm.default, rows, weight, source=src)
         else:
             op = torch.ops.opfuse.depthwise_rows if depthwise else torch.ops.opfuse.conv_rows
+            # (the rows as an expression of the output's sizes, which trial runs of the op
+            # would not find: a batch times a window's count squared)
+            like = TensorMeta((batch * oh * ow, oc), (oc, 1), out.dtype, out.device)
             y = b.call(
                 op.default,
                 b.get(x),
@@ -213,6 +216,7 @@ def _rewrite(
                 padding,
                 dilation,
                 source=src,
+                like=like,
             )
         y = b.call(aten.view.default, y, [batch, oh, ow, oc], source=src)
         y = b.call(aten.permute.default, y, _NCHW, source=src)

@@ -81,9 +81,10 @@ def mkl_linear_call(graph: Graph, plan: OneDnnPlan) -> BuiltCall | None:
     def call(xv: torch.Tensor) -> torch.Tensor:
         return op(xv, packed, weight, bias, rows)
 
-    built = BuiltCall(call, [x], plan.output, library="mkl")
-    built.at = lambda values: built  # it reads every size from its input
-    return built
+    def at(values: Values) -> BuiltCall:  # (it reads every size from its input)
+        return BuiltCall(call, [x], plan.output, library="mkl", at=at)
+
+    return at({})
 
 
 def _frozen_linear(
@@ -177,9 +178,10 @@ def chunked_linear_call(graph: Graph, plan: OneDnnPlan) -> BuiltCall | None:
             out = op.binary(xv[:, lo:hi], out, w, None, "add")
         return out
 
-    built = BuiltCall(call, [x], plan.output, library="onednn-kblocks")
-    built.at = lambda values: built  # it reads every size from its input
-    return built
+    def at(values: Values) -> BuiltCall:  # (it reads every size from its input)
+        return BuiltCall(call, [x], plan.output, library="onednn-kblocks", at=at)
+
+    return at({})
 
 
 # The packed linears other than oneDNN's one call, by candidate (or PackedThenKernel
