@@ -58,10 +58,15 @@ class TensorMeta:
     def is_contiguous(self) -> bool:
         return self.stride == contiguous_strides(self.shape) or self.numel <= 1
 
+    @property
+    def symbolic(self) -> bool:
+        """Is a size, stride or the offset a Size (an expression of size symbols)?"""
+        return any(isinstance(v, Size) for v in (*self.shape, *self.stride, self.offset))
+
     def at(self, values: Mapping[str, int]) -> TensorMeta:
         """This meta in plain ints where the size symbols take `values` (by C name; a
         symbol not named keeps its value): a compile's layout at the sizes it serves."""
-        if not any(isinstance(v, Size) for v in (*self.shape, *self.stride, self.offset)):
+        if not self.symbolic:
             return self
         return TensorMeta(
             tuple(value_at(v, values) for v in self.shape),

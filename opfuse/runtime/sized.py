@@ -44,7 +44,7 @@ def why_not(compiled: CompiledGraph) -> str | None:
     if not compiled.generic:
         return "a kernel holds a size as its value"
     for n in compiled.graph.nodes:
-        if n.op == CONSTANT and isinstance(n.meta, TensorMeta) and _sized(n.meta):
+        if n.op == CONSTANT and isinstance(n.meta, TensorMeta) and n.meta.symbolic:
             return f"constant {n.name} was computed at this size"
     for step in compiled.template.steps:
         if isinstance(step, KernelStep):
@@ -189,10 +189,6 @@ def describe(plan: Plan) -> list[Any]:
 
 def _layout(m: TensorMeta) -> tuple[Any, ...]:
     return (tuple(map(int, m.shape)), tuple(map(int, m.stride)), int(m.offset), m.dtype)
-
-
-def _sized(m: TensorMeta) -> bool:
-    return any(isinstance(v, Size) for v in (*m.shape, *m.stride, m.offset))
 
 
 def _arg(a: Any, values: Mapping[str, int]) -> Any:
