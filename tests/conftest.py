@@ -30,6 +30,15 @@ os.environ.setdefault("OPFUSE_CHECK_SERVED", "1")
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 
+@pytest.fixture(autouse=True)
+def _warnings_once_per_test() -> None:
+    """opfuse warns once per process (pipeline.warn_once): each test that expects a warning
+    sees it whatever ran before it."""
+    from opfuse import pipeline
+
+    pipeline._warned.clear()
+
+
 def _leaves(x: Any) -> list[Any]:
     import torch.utils._pytree as pytree
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from opfuse.backends.c import build
 from opfuse.bench import models
-from opfuse.ir.size import Size, gcd, symbolic_text, value_at
+from opfuse.ir.size import Size, bindings, gcd, symbolic_text, unhoisted, value_at
 from tests.conftest import caches_of_the_reference_host, count_compiler_runs
 
 OPS = [operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod]
@@ -78,6 +78,26 @@ def test_printing_outside_rendering_shows_the_value() -> None:
     assert n == 24576 and hash(n) == hash(24576) and {24576: 1}[n] == 1
 
 
+def test_hoisted_expressions_print_as_locals_bound_once() -> None:
+    """With hoist=True an expression prints as a local's name (a symbol as itself); the
+    declarations bind those a text uses, and a comment can show the expressions again."""
+    s = Size.symbol("s0", 32)
+    n, m = (s + 1) // 2, s * 3
+    with symbolic_text(hoist=True) as seen:
+        assert (str(n), str(s), str(n), str(m)) == (
+            "opfuse__h0",
+            "opfuse_s0",
+            "opfuse__h0",
+            "opfuse__h1",
+        )
+    assert seen == {"opfuse_s0": 32}
+    assert bindings(seen, "x[opfuse__h1]") == "\n  const int64_t opfuse__h1 = (opfuse_s0 * 3);"
+    assert (
+        unhoisted(seen, "/* opfuse__h0 bytes */")
+        == "/* opfuse_floordiv((opfuse_s0 + 1), 2) bytes */"
+    )
+
+
 def test_c_helpers_divide_as_python_does() -> None:
     """opfuse_floordiv / opfuse_floormod against Python's // and % on every sign."""
     pairs = [(a, b) for a in (-7, -6, -1, 0, 1, 6, 7) for b in (-3, -1, 1, 3)]
@@ -86,6 +106,8 @@ def test_c_helpers_divide_as_python_does() -> None:
         "return 1;"
         for a, b in pairs
     )
+    # (a zero divisor gives 0: an expression hoisted out of a loop that runs no iteration)
+    body += "\n  if (opfuse_floordiv(5, 0) != 0 || opfuse_floormod(5, 0) != 0) return 2;"
     lib = build.build([f"int probe(void *const *args, int nthreads) {{\n{body}\n  return 0;\n}}\n"])
     assert lib.fn("probe")(None, 1) == 0
 
@@ -354,6 +376,37 @@ def test_torch_compile_dynamic_fuses_a_strided_conv_net_over_image_sizes(
             counts.append(len(runs))
     torch._dynamo.reset()
     assert counts[0] >= 1 and counts[0] == counts[-1], counts
+
+
+def test_a_pool_over_symbolic_image_sizes_computes_no_size_in_its_loops(
+    tmp_path: Any,
+) -> None:
+    """A stem's max pool under dynamic=True reads the conv's rows through a pad and two
+    unfolds: its index held nested floor divisions of H and W, computed per element (a
+    ResNet-50's stem pool 8x slower than at static sizes). Each kernel binds its size
+    expressions once, on entry."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 7, 2, 3, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+        nn.MaxPool2d(3, 2, 1), nn.Conv2d(16, 8, 1),
+    ).eval()  # fmt: skip
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="opfuse", dynamic=True, options={"debug_dir": str(tmp_path)})
+    with torch.no_grad():
+        for b, s in ((2, 40), (3, 56), (2, 33)):
+            x = torch.randn(b, 3, s, s)
+            torch.testing.assert_close(f(x), model(x), rtol=1e-4, atol=1e-4)
+    torch._dynamo.reset()
+    sources = [p.read_text() for p in tmp_path.rglob("source.c")]
+    assert sources
+    pools = 0
+    for text in sources:
+        for body in text.split("(void *const *args, int nthreads) {")[1:]:
+            body = body.split("\n}\n")[0]
+            pools += "op_max_float" in body and "opfuse__h" in body
+            loops = [ln for ln in body.splitlines() if "const int64_t opfuse_" not in ln]
+            assert not [ln for ln in loops if "opfuse_floordiv" in ln], body
+    assert pools >= 1
 
 
 def test_gemm_tiles_print_one_expression_per_size_range() -> None:

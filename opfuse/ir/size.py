@@ -31,6 +31,7 @@ import contextvars
 import functools
 import math
 import operator
+import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -43,6 +44,9 @@ class Printed(dict[str, Any]):
     interned by the compile of another size)."""
 
     valued: bool = False
+    # expression text -> the name of a local it is bound to once at the kernel's top
+    # (symbolic_text(hoist=True)), or None: print expressions where they stand
+    hoisted: dict[str, str] | None = None
 
 
 # symbol -> value of every Size printed while rendering, or None: print values
@@ -221,7 +225,11 @@ class Size(int):
             return int.__repr__(self)
         for name, value in self.leaves:
             seen.setdefault(name, value)
-        return self.text
+        if seen.hoisted is None or (len(self.leaves) == 1 and self.text == self.leaves[0][0]):
+            return self.text
+        # bound once per call: the expression may sit in an innermost loop, where nested
+        # floor divisions (with their sign tests) would be computed for every element
+        return seen.hoisted.setdefault(self.text, f"{PREFIX}_h{len(seen.hoisted)}")
 
     def __repr__(self) -> str:
         return self._shown()
@@ -379,19 +387,44 @@ def _combine(a: Any, b: Any, op: str, fn: Any) -> Any:
     return Size(value, text, leaves)
 
 
-def symbolic_text() -> contextlib.AbstractContextManager[Printed]:
-    """Print Sizes as their expressions inside; yields the symbols printed, with values."""
-    return scoped(_printing, Printed())
+def symbolic_text(hoist: bool = False) -> contextlib.AbstractContextManager[Printed]:
+    """Print Sizes as their expressions inside; yields the symbols printed, with values.
+    With `hoist`, an expression of symbols prints as the name of a local (`hoisted`:
+    expression -> name) that the caller declares where the symbols are read."""
+    printed = Printed()
+    if hoist:
+        printed.hoisted = {}
+    return scoped(_printing, printed)
+
+
+def bindings(printed: Printed, used: str) -> str:
+    """C declarations of the locals `printed` hoisted that `used` names, to follow the
+    symbols' own (every expression reads symbols alone)."""
+    hoisted = (printed.hoisted or {}).items()
+    return "".join(
+        f"\n  const int64_t {name} = {text};"
+        for text, name in hoisted
+        if re.search(rf"\b{name}\b", used)
+    )
+
+
+def unhoisted(printed: Printed, text: str) -> str:
+    """`text` with the hoisted locals' names written as their expressions."""
+    names = {name: expr for expr, name in (printed.hoisted or {}).items()}
+    return re.sub(rf"\b{PREFIX}_h\d+\b", lambda m: names[m.group(0)], text) if names else text
 
 
 # C helpers the expressions call: floor division and modulo as Python defines them (C's
-# truncate toward zero).
+# truncate toward zero). A zero divisor gives 0: hoisted expressions are computed on entry,
+# also those only a loop that runs no iteration at this size would have reached.
 C_HELPERS = r"""
 static inline int64_t opfuse_floordiv(int64_t a, int64_t b) {
+  if (b == 0) return 0;
   int64_t q = a / b;
   return (a % b != 0 && ((a < 0) != (b < 0))) ? q - 1 : q;
 }
 static inline int64_t opfuse_floormod(int64_t a, int64_t b) {
+  if (b == 0) return 0;
   int64_t r = a % b;
   return (r != 0 && ((r < 0) != (b < 0))) ? r + b : r;
 }

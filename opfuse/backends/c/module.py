@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ...ir.graph import Graph
-from ...ir.size import Size, symbolic_text, value
+from ...ir.size import Size, bindings, symbolic_text, unhoisted, value
 from ...lower.depthwise import DepthwiseKernel
 from ...lower.dw_gemm import DwGemmKernel
 from ...lower.epilogue import GemmKernel, OneDnnPlan, PackedThenKernel
@@ -219,7 +219,7 @@ def _sized(
     (ir/size.py), which it reads from its arguments after its own `first` ones; and the
     symbols at this size (Sizes of one symbol each), in that order. Every size of a graph
     then renders the same text wherever its decisions came out the same, built once."""
-    with symbolic_text() as seen:
+    with symbolic_text(hoist=True) as seen:
         text = render()
     if seen.valued:
         valued.add(name)
@@ -233,7 +233,9 @@ def _sized(
         for j, s in enumerate(symbols)
     )
     sizes = tuple(Size(seen[s], s, ((s, seen[s]),)) for s in symbols)
-    return text.replace(head, head + reads, 1), sizes
+    before, body = text.split(head, 1)
+    # what precedes the kernel (its comment) shows the expressions themselves
+    return unhoisted(seen, before) + head + reads + bindings(seen, body) + body, sizes
 
 
 def _bind(
