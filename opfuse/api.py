@@ -26,7 +26,7 @@ from .pipeline import CompiledGraph, compile_graph, warn_once
 from .report.make import count_kernels
 from .report.tables import FusionReport, RejectReport
 from .runtime.heap import collector_paused
-from .runtime.sized import check, note, serve
+from .runtime.sized import check, note, serve, unserved
 
 log = logging.getLogger("opfuse")
 
@@ -339,6 +339,7 @@ class CompiledModule(torch.nn.Module):
             decided = note(compiled)
             if decided is not None:
                 report.dynamic.append(decided)
+            report.dynamic += self.__dict__.pop("_unserved", [])
         except Exception as e:  # a bug of ours must not stop a model eager runs
             message = _fallback_message(e)
             warn_once(message)
@@ -361,6 +362,8 @@ class CompiledModule(torch.nn.Module):
             return None
         values = family.values(leaves)
         tried: set[int] = set()
+        why: list[str] = []  # for the report of the compile made instead (_compile)
+        self.__dict__["_unserved"] = why
         for e in reversed(self._entries.values()):
             c = e.compiled
             if e.family is not family or c is None or id(c.decisions) in tried:
@@ -368,6 +371,7 @@ class CompiledModule(torch.nn.Module):
             tried.add(id(c.decisions))
             served = serve(c, values)
             if served is None:
+                why.append(unserved(c, values))
                 continue
             try:
                 spec = family.out_spec(leaves)

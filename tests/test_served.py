@@ -109,6 +109,42 @@ def test_long_lengths_fuse_attention_and_serve_each_other(monkeypatch: pytest.Mo
     assert sum(any("served by the compile at" in d for d in r.dynamic) for r in reports) == 3
 
 
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        return torch.softmax(q @ k.transpose(-1, -2) * 0.35, -1) @ v
+
+
+def test_a_size_compiled_again_is_reported_with_the_decision_that_differs() -> None:
+    """From 256 tokens the attention is fused (65536 scores): the compile made at 300
+    says which compiles did not serve it and which of their decisions, taken where, come
+    out otherwise there; through both entry points."""
+    torch.manual_seed(0)
+    model = _Attention().eval()
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="opfuse", dynamic=True)
+    with torch.no_grad(), dynamo.listening() as reports:
+        for s in (16, 300):
+            x = torch.randn(1, s, 8)
+            torch.testing.assert_close(f(x), model(x), rtol=1e-4, atol=1e-4)
+    torch._dynamo.reset()
+    c = opfuse.compile(model, (torch.randn(1, 16, 8),))
+    with torch.no_grad():
+        for s in (32, 300):
+            x = torch.randn(1, s, 8)
+            torch.testing.assert_close(c(x), model(x), rtol=1e-4, atol=1e-4)
+    last = list(c._entries.values())[-1].report  # type: ignore[attr-defined]
+    for report, at in ((reports[-1], "=16: "), (last, "=32: ")):
+        why = [d for d in report.dynamic if d.startswith("not served by the compile at")]
+        assert len(why) == 1 and at in why[0], report.dynamic
+        assert "(rewrite/attention.fuse_attention)" in why[0], why
+        assert report.patterns().get("attention") == 1
+
+
 def test_a_meta_found_by_trial_runs_serves_only_where_the_op_agrees() -> None:
     """A rewrite's new node: its sizes come from trial runs of the op's meta function, and
     where no expression fits (kron of two [s] vectors: s * s) the value stays. Neither

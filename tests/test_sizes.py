@@ -15,7 +15,15 @@ from hypothesis import strategies as st
 
 from opfuse.backends.c import build
 from opfuse.bench import models
-from opfuse.ir.size import Size, bindings, gcd, symbolic_text, unhoisted, value_at
+from opfuse.ir.size import (
+    Size,
+    bindings,
+    deciding,
+    gcd,
+    symbolic_text,
+    unhoisted,
+    value_at,
+)
 from tests.conftest import caches_of_the_reference_host, count_compiler_runs
 
 OPS = [operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod]
@@ -96,6 +104,18 @@ def test_hoisted_expressions_print_as_locals_bound_once() -> None:
         unhoisted(seen, "/* opfuse__h0 bytes */")
         == "/* opfuse_floordiv((opfuse_s0 + 1), 2) bytes */"
     )
+
+
+def test_a_decision_names_where_it_was_taken() -> None:
+    """The decisions that come out otherwise at other values, each with the function that
+    took it: the report says why a size compiled again."""
+    s = Size.symbol("s0", 10)
+    with deciding() as d:
+        assert s < 256 and s * 2 == 20 and s + 1 > 3
+    assert d.otherwise({"opfuse_s0": 12}) == [
+        "`(s0 * 2) == 20` (tests/test_sizes.test_a_decision_names_where_it_was_taken)"
+    ]
+    assert len(d.otherwise({"opfuse_s0": 300})) == 2 and not d.otherwise({"opfuse_s0": 10})
 
 
 def test_c_helpers_divide_as_python_does() -> None:

@@ -23,7 +23,7 @@ from ..report.make import count_kernels
 from ..report.tables import FusionReport
 from ..rewrite.fx_layout import channels_last_convolutions
 from ..runtime.heap import collector_paused
-from ..runtime.sized import check, note, serve
+from ..runtime.sized import check, note, serve, unserved
 from . import sizes
 from .capture import capture_fx
 from .decompose import decompositions, keep_whole
@@ -111,6 +111,7 @@ class _GraphRunner:
         self.pooled = 0
         self.cache: dict[tuple[Any, ...], tuple[CompiledGraph, list[int]] | None] = {}
         self.served: list[tuple[Any, ...]] = []  # keys served by another's compile, oldest first
+        self.unserved: list[str] = []  # why the compiles tried did not serve this call (_serve)
         # (frozen parameters need their values: AOTAutograd's example inputs are fake)
         if compile_now and not frozen and not has_symbols(example_inputs) and cache_limit > 0:
             self._compile([_unit_strides(a) for a in example_inputs])
@@ -148,6 +149,7 @@ class _GraphRunner:
             decided = note(compiled)
             if decided is not None:  # (a size of a graph with symbolic sizes)
                 compiled.report.dynamic.append(decided)
+            compiled.report.dynamic += self.unserved
             entry = (compiled, positions)
         except Exception as e:  # never crash a model eager runs: run this graph with torch
             warn_once(f"opfuse: graph falls back to torch ({type(e).__name__}: {e})")
@@ -180,6 +182,7 @@ class _GraphRunner:
             tried.add(id(e[0].decisions))
             served = serve(e[0], values)
             if served is None:
+                self.unserved.append(unserved(e[0], values))
                 continue
             check(served, functools.partial(self._compile_here, args))
             entry = (served, e[1])
@@ -256,6 +259,7 @@ class _GraphRunner:
         else:
             args = [_unit_strides(a) for a in given]
         key = self._key(args)
+        self.unserved = []
         if key in self.cache:
             entry = self.cache[key]
             watch = self.watches.get(key)

@@ -31,7 +31,9 @@ import contextvars
 import functools
 import math
 import operator
+import os
 import re
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
@@ -86,14 +88,18 @@ class Decisions:
 
     def __init__(self) -> None:
         self.outcomes: dict[tuple[str, str, str], bool] = {}
+        self.sites: dict[tuple[str, str, str], str] = {}  # where each was taken (module.function)
         self.check: Any = None  # (compiled once from the outcomes: hold())
         # what no expression says: a test of the symbols' values, true where the decision
         # comes out the same (a meta inferred by trial runs: the op's meta run there)
         self.tests: list[Callable[[Mapping[str, int]], bool]] = []
 
     def note(self, left: str, op: str, right: str, outcome: bool) -> None:
-        self.outcomes.setdefault((left, op, right), outcome)
-        self.check = None
+        key = (left, op, right)
+        if key not in self.outcomes:
+            self.outcomes[key] = outcome
+            self.sites[key] = _site()
+            self.check = None
 
     def test(self, holds: Callable[[Mapping[str, int]], bool]) -> None:
         """Record a decision as a test of the symbols' values (by C name)."""
@@ -102,13 +108,28 @@ class Decisions:
     def __len__(self) -> int:
         return len(self.outcomes) + len(self.tests)
 
+    def otherwise(self, values: Mapping[str, int]) -> list[str]:
+        """The decisions that come out otherwise at `values`, each as its comparison and
+        where the compile took it (for the report: why a size compiled again)."""
+        out = []
+        for (a, op, b), outcome in self.outcomes.items():
+            try:
+                same = eval(_code(_term(a, op, b, outcome)), _EVAL_GLOBALS, dict(values))
+            except (NameError, ArithmeticError, ValueError, TypeError):
+                same = False
+            if not same:
+                shown = f"{a} {op} {b}".replace(PREFIX, "")
+                out.append(f"`{shown}` ({self.sites.get((a, op, b), '?')})")
+        for holds in self.tests:
+            if not holds(values):
+                out.append(f"a meta tried at these sizes ({getattr(holds, '__qualname__', holds)})")
+        return out
+
     def hold(self, values: Mapping[str, int]) -> bool:
         """Would every decision come out the same with the symbols at `values` (by C
         name)? A symbol not in `values`: no."""
         if self.check is None:
-            terms = [
-                f"(({a}) {op} ({b})) is {outcome}" for (a, op, b), outcome in self.outcomes.items()
-            ]
+            terms = [_term(a, op, b, outcome) for (a, op, b), outcome in self.outcomes.items()]
             self.check = compile(" and ".join(terms) or "True", "<decisions>", "eval")
         try:
             if not eval(self.check, _EVAL_GLOBALS, dict(values)):
@@ -116,6 +137,11 @@ class Decisions:
         except (NameError, ArithmeticError, ValueError, TypeError):
             return False
         return all(holds(values) for holds in self.tests)
+
+
+def _term(a: str, op: str, b: str, outcome: bool) -> str:
+    """A decision as Python text, true where it comes out as it did."""
+    return f"(({a}) {op} ({b})) is {outcome}"
 
 
 _deciding: contextvars.ContextVar[Decisions | None] = contextvars.ContextVar(
@@ -147,6 +173,16 @@ def undecided() -> contextlib.AbstractContextManager[None]:
     """Comparisons inside decide no correctness, only cost (which pooled block a buffer
     takes): not recorded, and what they chose must hold at every size by itself."""
     return scoped(_deciding, None)
+
+
+def _site() -> str:
+    """module.function of the first caller outside this module (`lower/epilogue.tiles`)."""
+    frame = sys._getframe(1)
+    while frame.f_back is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    parts = frame.f_code.co_filename.removesuffix(".py").split(os.sep)
+    inside = len(parts) - parts[::-1].index("opfuse") if "opfuse" in parts else len(parts) - 2
+    return f"{'/'.join(parts[inside:])}.{frame.f_code.co_name}"
 
 
 def _text(x: Any) -> str:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..ir.graph import CONSTANT, TensorMeta
-from ..ir.size import Size, value_at
+from ..ir.size import PREFIX, Size, value_at
 from ..settings import flag
 from .execute import Const, In, KernelStep, Out, Plan, Runtime, Scratch, TorchStep
 from .plan import storage_bytes
@@ -71,6 +71,25 @@ def note(compiled: CompiledGraph) -> str | None:
     return f"{len(compiled.decisions)} decisions taken from the sizes' values; serves {serves}"
 
 
+def unserved(compiled: CompiledGraph, values: Mapping[str, int]) -> str:
+    """For the report of the compile made instead: why `compiled` does not serve the size
+    symbols' `values` (serve returned None)."""
+    why = why_not(compiled)
+    if why is None and compiled.decisions is not None:
+        if not set(compiled.values) <= set(values):
+            why = "it has other size symbols"
+        else:
+            otherwise = compiled.decisions.otherwise({k: values[k] for k in compiled.values})
+            count = f" ({len(otherwise)} in all)" if len(otherwise) > 2 else ""
+            why = f"here it would decide otherwise: {', '.join(otherwise[:2]) or '?'}{count}"
+    return f"not served by the compile at {_shown(compiled.values)}: {why}"
+
+
+def _shown(values: Mapping[str, int]) -> str:
+    """Symbol values as the report shows them: `s0=16, s1=3`."""
+    return ", ".join(f"{k.removeprefix(PREFIX)}={v}" for k, v in sorted(values.items()))
+
+
 def serve(compiled: CompiledGraph, values: Mapping[str, int]) -> CompiledGraph | None:
     """`compiled` at the size symbols' `values` (by C name), or None where one of its
     decisions would come out otherwise there (or it serves no other size: why_not)."""
@@ -83,13 +102,10 @@ def serve(compiled: CompiledGraph, values: Mapping[str, int]) -> CompiledGraph |
     if not decisions.hold(values):
         return None
     report = copy.copy(compiled.report)
-    shown = ", ".join(
-        f"{k.removeprefix('opfuse_')}={v}" for k, v in sorted(compiled.values.items())
-    )
     report.dynamic = [
         *report.dynamic,
-        f"served by the compile at {shown}: its {len(decisions)} decisions on the sizes "
-        "come out the same here (runtime/sized.py)",
+        f"served by the compile at {_shown(compiled.values)}: its {len(decisions)} decisions "
+        "on the sizes come out the same here (runtime/sized.py)",
     ]
     report.compile_seconds = 0.0
     return dataclasses.replace(
