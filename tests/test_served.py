@@ -138,11 +138,31 @@ def test_a_size_compiled_again_is_reported_with_the_decision_that_differs() -> N
             x = torch.randn(1, s, 8)
             torch.testing.assert_close(c(x), model(x), rtol=1e-4, atol=1e-4)
     last = list(c._entries.values())[-1].report  # type: ignore[attr-defined]
-    for report, at in ((reports[-1], "=16: "), (last, "=32: ")):
-        why = [d for d in report.dynamic if d.startswith("not served by the compile at")]
+    for report, at in ((reports[-1], "=16 would"), (last, "=32 would")):
+        why = [d for d in report.dynamic if "would decide otherwise here" in d]
         assert len(why) == 1 and at in why[0], report.dynamic
         assert "(rewrite/attention.fuse_attention)" in why[0], why
         assert report.patterns().get("attention") == 1
+
+
+def test_a_global_pool_serves_the_batch_sizes_its_schedule_does_not_change_at() -> None:
+    """A global pool's rows are short (5x5): its columns schedule never splits them, at
+    any batch; the blocks of columns (batch x 4) were compared first, and the compile at
+    batch 2 (8 blocks, fewer than 16) did not serve batch 4 (16)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(8, 64, 3, padding=1), nn.ReLU(), nn.Conv2d(64, 2048, 1), nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+    ).eval()  # fmt: skip
+    torch._dynamo.reset()
+    f = torch.compile(model, backend="opfuse", dynamic=True)
+    with torch.no_grad(), dynamo.listening() as reports:
+        for b in (2, 4, 5):
+            x = torch.randn(b, 8, 5, 5)
+            torch.testing.assert_close(f(x), model(x), rtol=1e-4, atol=1e-4)
+    torch._dynamo.reset()
+    served = [r for r in reports if any(d.startswith("served by the") for d in r.dynamic)]
+    assert len(served) == 2, [r.dynamic for r in reports]
 
 
 def test_a_meta_found_by_trial_runs_serves_only_where_the_op_agrees() -> None:

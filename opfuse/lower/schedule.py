@@ -187,10 +187,13 @@ def _choose(k: Kernel) -> Schedule:
         if walks or _window(k, primary, vec):
             blocks = (k.outer_size // vec.extent) * -(-vec.extent // COLUMN_LANES)
             work = k.inner_size * min(vec.extent, COLUMN_LANES)
-            if blocks < SPLIT_MAX_OUTER and work >= SPLIT_MIN_INNER:
+            # (the work per block first: it does not grow with the batch, so at symbolic
+            # sizes a short row decides without the blocks, which do: ResNet-50's global
+            # pool compiled again at batch 4 for a decision that changed nothing)
+            if work >= SPLIT_MIN_INNER and blocks < SPLIT_MAX_OUTER:
                 return Schedule.COLUMNS_SPLIT
             return Schedule.COLUMNS
-    if k.outer_size < SPLIT_MAX_OUTER and k.inner_size >= SPLIT_MIN_INNER:
+    if k.inner_size >= SPLIT_MIN_INNER and k.outer_size < SPLIT_MAX_OUTER:
         return Schedule.SPLIT
     # Threads that share lines are slower than threads that meet at two barriers per row,
     # while the rows are long: measured BatchNorm over NCHW writing channels-last,

@@ -74,15 +74,15 @@ def note(compiled: CompiledGraph) -> str | None:
 def unserved(compiled: CompiledGraph, values: Mapping[str, int]) -> str:
     """For the report of the compile made instead: why `compiled` does not serve the size
     symbols' `values` (serve returned None)."""
+    at = f"the compile at {_shown(compiled.values)}"
     why = why_not(compiled)
-    if why is None and compiled.decisions is not None:
-        if not set(compiled.values) <= set(values):
-            why = "it has other size symbols"
-        else:
-            otherwise = compiled.decisions.otherwise({k: values[k] for k in compiled.values})
-            count = f" ({len(otherwise)} in all)" if len(otherwise) > 2 else ""
-            why = f"here it would decide otherwise: {', '.join(otherwise[:2]) or '?'}{count}"
-    return f"not served by the compile at {_shown(compiled.values)}: {why}"
+    if why is not None or compiled.decisions is None:
+        return f"{at} serves no other size: {why}"
+    if not set(compiled.values) <= set(values):
+        return f"{at} has other size symbols"
+    otherwise = compiled.decisions.otherwise({k: values[k] for k in compiled.values})
+    count = f" ({len(otherwise)} in all)" if len(otherwise) > 2 else ""
+    return f"{at} would decide otherwise here: {', '.join(otherwise[:2]) or '?'}{count}"
 
 
 def _shown(values: Mapping[str, int]) -> str:
