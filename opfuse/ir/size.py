@@ -4,9 +4,10 @@ A graph dynamo hands over with symbolic sizes (`s0`) is still compiled per size,
 kernels need not be: a `Size` is an int (its value at the size being compiled, which every
 decision reads as any int) that also carries a C expression of the graph's size symbols.
 While C is rendered (`symbolic_text()`), printing a Size prints that expression, and the
-kernel takes the symbols it printed as arguments. Every size of the graph then renders the
-same source wherever its decisions came out the same, and the source is built once (the
-build cache is keyed by the source).
+kernel takes the symbols it printed as arguments (the C backend binds each expression to a
+local on entry, `hoist`). Every size of the graph then renders the same source wherever
+its decisions came out the same, and the source is built once (the build cache is keyed
+by the source).
 
 Why this is sound whatever the decisions were: each size renders its own source, in which
 every printed expression evaluates, with the symbol values the kernel is passed (those of
@@ -21,7 +22,8 @@ A compile can also serve other sizes without compiling (runtime/sized.py) when i
 its decisions (`deciding()`): every comparison of a Size with another number, and every
 value given up (int(size), size / 2, bit operations: recorded as "equals this value"), as
 expression text and outcome. Where every recorded decision comes out the same at other
-symbol values, the compile would decide the same there.
+symbol values, the compile would decide the same there; where one does not, `otherwise`
+names those that differ and the function that took each.
 """
 
 from __future__ import annotations
