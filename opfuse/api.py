@@ -313,10 +313,15 @@ class CompiledModule(torch.nn.Module):
 
     @collector_paused()  # (runtime/heap.py: full collections cost compiles 15%)
     def _compile(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], family: Family | None
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        family: Family | None,
+        why: Sequence[str] = (),
     ) -> _Entry:
         """Compile these inputs' signature: captured from `family` (the export with
-        symbolic sizes that admits them, _family_for) when there is one."""
+        symbolic sizes that admits them, _family_for) when there is one. `why`: why no
+        earlier compile served these sizes (_serve), for the report."""
         model = self.__dict__["_model"]
         leaves = self._flat(args, kwargs)
         sig = _signature(leaves)
@@ -339,7 +344,7 @@ class CompiledModule(torch.nn.Module):
             decided = note(compiled)
             if decided is not None:
                 report.dynamic.append(decided)
-            report.dynamic += self.__dict__.pop("_unserved", [])
+            report.dynamic += why
         except Exception as e:  # a bug of ours must not stop a model eager runs
             message = _fallback_message(e)
             warn_once(message)
@@ -353,17 +358,16 @@ class CompiledModule(torch.nn.Module):
         return entry
 
     def _serve(
-        self, family: Family, leaves: list[Any], sig: Any, evict: bool = False
+        self, family: Family, leaves: list[Any], sig: Any, why: list[str], evict: bool = False
     ) -> _Entry | None:
         """These inputs served by an earlier compile from `family` whose decisions hold at
-        their sizes (runtime/sized.py): no capture, no compile. `evict` (full): in place of
-        the signature served longest ago, if there is one (_give_way)."""
+        their sizes (runtime/sized.py): no capture, no compile. Appends to `why` what
+        each compile tried decides otherwise here. `evict` (full): in place of the
+        signature served longest ago, if there is one (_give_way)."""
         if family.asserts():
             return None
         values = family.values(leaves)
         tried: set[int] = set()
-        why: list[str] = []  # for the report of the compile made instead (_compile)
-        self.__dict__["_unserved"] = why
         for e in reversed(self._entries.values()):
             c = e.compiled
             if e.family is not family or c is None or id(c.decisions) in tried:
@@ -571,9 +575,14 @@ class CompiledModule(torch.nn.Module):
                     if sig in self._untraceable:
                         return self._through_dynamo(*args, **kwargs)
                     full = self._full()
-                    kept = None
+                    kept, unserved_why = (
+                        None,
+                        list[str](),
+                    )  # (for the report of a compile made then)
                     if family is not None:  # (full: in place of a size served before)
-                        kept = self._serve(family, leaves, sig, evict=full is not None)
+                        kept = self._serve(
+                            family, leaves, sig, unserved_why, evict=full is not None
+                        )
                     if kept is None and full is not None and not self._give_way():
                         # Each input shape keeps its plan, memory pool and, for shapes
                         # exported on their own, its kernels: ever new shapes would grow
@@ -584,7 +593,7 @@ class CompiledModule(torch.nn.Module):
                         )
                         return self.__dict__["_model"](*args, **kwargs)
                     try:
-                        entry = kept or self._compile(args, kwargs, family)
+                        entry = kept or self._compile(args, kwargs, family, unserved_why)
                     except CaptureError as e:
                         # as for the first compile: torch.compile runs what export cannot
                         # trace (data-dependent control flow at these sizes), and raises

@@ -173,7 +173,6 @@ def test_torch_compile_backend_compiles_each_graph_for_a_bounded_number_of_shape
         return real(self, *args)
 
     monkeypatch.setattr(dynamo._GraphRunner, "_compile", counting)
-    pipeline._warned.clear()
     torch._dynamo.reset()
     # (it divides by a third of the row count, a float the capture takes as a value:
     # every size decides otherwise, none is served by the compile of another,
@@ -703,7 +702,6 @@ def test_a_model_calling_its_own_compiled_module_raises_as_eager_recursion_would
     """`model.forward = opfuse.compile(model, ...)`: a new shape compiles, which calls the
     model, which calls the compiled module again. Eager recurses forever; the compiled
     module says so instead of waiting on its own lock."""
-    pipeline._warned.clear()
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU()).eval()
     compiled = opfuse.compile(model, (torch.randn(2, 4),))
     model.forward = compiled  # type: ignore[method-assign]

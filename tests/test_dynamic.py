@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.aot_autograd import make_boxed_func
 
-from opfuse import pipeline
 from opfuse.bench import models
 from opfuse.frontend import dynamic, dynamo
 from opfuse.report.tables import FusionReport, notes
@@ -216,7 +215,6 @@ def test_mostly_symbolic_graphs_compile_per_size_then_run_generically() -> None:
     by a third of the row count, a float the capture takes as a value: runtime/sized.py):
     each size compiles, up to the cache limit; past it the generic compile (here: nothing
     static, all torch) serves."""
-    pipeline._warned.clear()
     torch._dynamo.reset()
     fn = lambda x: (x * 2).relu().sum(-1) / (x.shape[0] / 3)
     f = torch.compile(fn, backend="opfuse", dynamic=True, options={"cache_limit": 2})
@@ -276,7 +274,6 @@ def test_sizes_of_a_symbolic_graph_compile_past_eight_until_their_pools_fill(
     graph."""
     import warnings
 
-    pipeline._warned.clear()
     torch._dynamo.reset()
     fn = lambda x: ((x * 2).relu() + 1).sum(-1) * x.amax(-1)
     f = torch.compile(fn, backend="opfuse", dynamic=True)

@@ -339,11 +339,8 @@ def test_sizes_compiled_apart_share_one_packed_weight(monkeypatch: Any) -> None:
     """A graph compiled once per size (here: rows symbolic, so each size compiles) packs
     each parameter once for all of its sizes, not once per size (BERT-base: 340 MB a
     size), and packs it again once when it changes."""
-    from opfuse import pipeline
     from opfuse.backends.c import gemm
     from opfuse.frontend import dynamo
-
-    pipeline._warned.clear()
 
     packed: list[tuple[int, int]] = []
     pack = gemm.OwnPack.__call__

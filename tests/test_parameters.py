@@ -348,12 +348,10 @@ def test_torch_compile_inference_freezes_parameters_and_follows_them(change: str
     """Under torch.compile an inference graph takes its parameters as constants (BatchNorm
     folded, convolutions prepacked, as opfuse.compile does) while the same tensors come
     unchanged; any change torch sees, or a `p.data = t`, compiles it again."""
-    from opfuse import pipeline
     from opfuse.frontend import dynamo
 
     m, x = _net()
     torch._dynamo.reset()
-    pipeline._warned.clear()
     f = torch.compile(m, backend="opfuse")
     with torch.no_grad(), dynamo.listening() as reports:
         assert_matches_eager(m, f(x), (x,))
@@ -374,12 +372,10 @@ def test_torch_compile_inference_freezes_parameters_and_follows_them(change: str
 
 
 def test_torch_compile_inference_stops_freezing_parameters_that_keep_changing() -> None:
-    from opfuse import pipeline
     from opfuse.frontend import dynamo
 
     m, x = _net()
     torch._dynamo.reset()
-    pipeline._warned.clear()
     f = torch.compile(m, backend="opfuse")
     with torch.no_grad(), pytest.warns(RuntimeWarning) as seen:
         for _ in range(dynamo.FREEZE_CHANGES + 2):
@@ -399,9 +395,7 @@ def test_refresh_forgets_folds_another_compile_still_holds() -> None:
     by their storage, address and version counter: after a `p.data` write, which moves
     none of them, opfuse.refresh() must forget it too, or a torch.compile graph compiled
     again finds the fold an opfuse.compile of the same model still holds (2.4 off)."""
-    from opfuse import pipeline
 
-    pipeline._warned.clear()
     m, x = _net()
     held = opfuse.compile(m, (x,))
     torch._dynamo.reset()

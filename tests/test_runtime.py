@@ -32,11 +32,6 @@ def inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(50, 40, generator=g), torch.randn(40, generator=g)
 
 
-@pytest.fixture(autouse=True)
-def _reset_warnings() -> None:
-    pipeline._warned.clear()
-
-
 @pytest.mark.parametrize("setting", ["missing", "none_on_path"])
 def test_no_compiler_falls_back_to_torch(monkeypatch, fresh_cache, setting) -> None:  # type: ignore[no-untyped-def]
     if setting == "missing":

@@ -111,7 +111,6 @@ class _GraphRunner:
         self.pooled = 0
         self.cache: dict[tuple[Any, ...], tuple[CompiledGraph, list[int]] | None] = {}
         self.served: list[tuple[Any, ...]] = []  # keys served by another's compile, oldest first
-        self.unserved: list[str] = []  # why the compiles tried did not serve this call (_serve)
         # (frozen parameters need their values: AOTAutograd's example inputs are fake)
         if compile_now and not frozen and not has_symbols(example_inputs) and cache_limit > 0:
             self._compile([_unit_strides(a) for a in example_inputs])
@@ -135,9 +134,10 @@ class _GraphRunner:
         return self._live_at
 
     def _compile(
-        self, args: Sequence[Any], given: Sequence[Any] | None = None
+        self, args: Sequence[Any], given: Sequence[Any] | None = None, why: Sequence[str] = ()
     ) -> tuple[CompiledGraph, list[int]] | None:
-        """`given`: the arguments as they came (the frozen ones are watched as such)."""
+        """`given`: the arguments as they came (the frozen ones are watched as such).
+        `why`: why no earlier compile served these sizes (_serve), for the report."""
         _compiled[0] += 1
         entry: tuple[CompiledGraph, list[int]] | None
         try:
@@ -149,7 +149,7 @@ class _GraphRunner:
             decided = note(compiled)
             if decided is not None:  # (a size of a graph with symbolic sizes)
                 compiled.report.dynamic.append(decided)
-            compiled.report.dynamic += self.unserved
+            compiled.report.dynamic += why
             entry = (compiled, positions)
         except Exception as e:  # never crash a model eager runs: run this graph with torch
             warn_once(f"opfuse: graph falls back to torch ({type(e).__name__}: {e})")
@@ -160,11 +160,12 @@ class _GraphRunner:
         return entry
 
     def _serve(
-        self, args: Sequence[Any], given: Sequence[Any], evict: bool = False
+        self, args: Sequence[Any], given: Sequence[Any], why: list[str], evict: bool = False
     ) -> tuple[CompiledGraph, list[int]] | None:
         """These sizes served by a compile of the graph at others whose decisions hold at
-        them (runtime/sized.py): no capture, no compile. `evict` (the cache is full): in
-        place of the size served longest ago, if there is one (_give_way)."""
+        them (runtime/sized.py): no capture, no compile. Appends to `why` what each
+        compile tried decides otherwise here. `evict` (the cache is full): in place of
+        the size served longest ago, if there is one (_give_way)."""
         if not any(e is not None and e[0].decisions for e in self.cache.values()):
             return None
         fx = self.gm.graph
@@ -182,7 +183,7 @@ class _GraphRunner:
             tried.add(id(e[0].decisions))
             served = serve(e[0], values)
             if served is None:
-                self.unserved.append(unserved(e[0], values))
+                why.append(unserved(e[0], values))
                 continue
             check(served, functools.partial(self._compile_here, args))
             entry = (served, e[1])
@@ -251,25 +252,16 @@ class _GraphRunner:
         self.watches.pop(key, None)
         return self._compile(args, given)
 
-    def __call__(self, given: list[Any]) -> Any:
-        if self.frozen:  # (compiled in: their strides are not keyed, nor read)
-            args = list(given)
-            for k in self._live(len(given)):
-                args[k] = _unit_strides(given[k])
-        else:
-            args = [_unit_strides(a) for a in given]
-        key = self._key(args)
-        self.unserved = []
-        if key in self.cache:
-            entry = self.cache[key]
-            watch = self.watches.get(key)
-            if watch is not None and not watch.holds(given):
-                entry = self._changed(key, args, given)
-        elif (entry := self._serve(args, given, evict=not self._room())) is None and (
-            self._room() or self._give_way()
-        ):
-            entry = self._compile(args, given)
-        elif entry is None:
+    def _new_size(
+        self, args: list[Any], given: list[Any]
+    ) -> tuple[CompiledGraph, list[int]] | None:
+        """A signature not in the cache: served by an earlier compile, compiled, or (the
+        cache full) None, run with torch."""
+        why: list[str] = []  # why no compile served these sizes, for the new one's report
+        entry = self._serve(args, given, why, evict=not self._room())
+        if entry is None and (self._room() or self._give_way()):
+            return self._compile(args, given, why)
+        if entry is None:
             rest = (
                 "its static parts fused, the rest with torch"
                 if self.fallback is not None
@@ -287,6 +279,23 @@ class _GraphRunner:
                 "sizes, or raise the limit: torch.compile(..., backend='opfuse', "
                 "options={'cache_limit': n})"
             )
+        return entry
+
+    def __call__(self, given: list[Any]) -> Any:
+        if self.frozen:  # (compiled in: their strides are not keyed, nor read)
+            args = list(given)
+            for k in self._live(len(given)):
+                args[k] = _unit_strides(given[k])
+        else:
+            args = [_unit_strides(a) for a in given]
+        key = self._key(args)
+        if key in self.cache:
+            entry = self.cache[key]
+            watch = self.watches.get(key)
+            if watch is not None and not watch.holds(given):
+                entry = self._changed(key, args, given)
+        else:
+            entry = self._new_size(args, given)
         if entry is None:
             return self.fallback(args) if self.fallback is not None else self.gm(*args)
         compiled, positions = entry

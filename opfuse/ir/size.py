@@ -438,18 +438,23 @@ def symbolic_text(hoist: bool = False) -> contextlib.AbstractContextManager[Prin
 def bindings(printed: Printed, used: str) -> str:
     """C declarations of the locals `printed` hoisted that `used` names, to follow the
     symbols' own (every expression reads symbols alone)."""
-    hoisted = (printed.hoisted or {}).items()
+    if not printed.hoisted:
+        return ""
+    named = set(_HOISTED.findall(used))
     return "".join(
         f"\n  const int64_t {name} = {text};"
-        for text, name in hoisted
-        if re.search(rf"\b{name}\b", used)
+        for text, name in printed.hoisted.items()
+        if name in named
     )
 
 
 def unhoisted(printed: Printed, text: str) -> str:
     """`text` with the hoisted locals' names written as their expressions."""
     names = {name: expr for expr, name in (printed.hoisted or {}).items()}
-    return re.sub(rf"\b{PREFIX}_h\d+\b", lambda m: names[m.group(0)], text) if names else text
+    return _HOISTED.sub(lambda m: names[m.group(0)], text) if names else text
+
+
+_HOISTED = re.compile(rf"\b{PREFIX}_h\d+\b")  # a hoisted local's name
 
 
 # C helpers the expressions call: floor division and modulo as Python defines them (C's

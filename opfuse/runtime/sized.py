@@ -75,14 +75,23 @@ def unserved(compiled: CompiledGraph, values: Mapping[str, int]) -> str:
     """For the report of the compile made instead: why `compiled` does not serve the size
     symbols' `values` (serve returned None)."""
     at = f"the compile at {_shown(compiled.values)}"
-    why = why_not(compiled)
+    why = _refusal(compiled, values)
     if why is not None or compiled.decisions is None:
-        return f"{at} serves no other size: {why}"
-    if not set(compiled.values) <= set(values):
-        return f"{at} has other size symbols"
+        return f"{at} {why}"
     otherwise = compiled.decisions.otherwise({k: values[k] for k in compiled.values})
     count = f" ({len(otherwise)} in all)" if len(otherwise) > 2 else ""
     return f"{at} would decide otherwise here: {', '.join(otherwise[:2]) or '?'}{count}"
+
+
+def _refusal(compiled: CompiledGraph, values: Mapping[str, int]) -> str | None:
+    """Why `compiled` serves no size but its own, or not `values`' symbols; None: it
+    serves them where its decisions hold (serve and unserved ask it first)."""
+    why = why_not(compiled)
+    if why is not None:
+        return f"serves no other size: {why}"
+    if not set(compiled.values) <= set(values):
+        return "has other size symbols"
+    return None
 
 
 def _shown(values: Mapping[str, int]) -> str:
@@ -94,9 +103,7 @@ def serve(compiled: CompiledGraph, values: Mapping[str, int]) -> CompiledGraph |
     """`compiled` at the size symbols' `values` (by C name), or None where one of its
     decisions would come out otherwise there (or it serves no other size: why_not)."""
     decisions, template = compiled.decisions, compiled.template
-    if decisions is None or template is None or why_not(compiled) is not None:
-        return None
-    if not set(compiled.values) <= set(values):
+    if decisions is None or template is None or _refusal(compiled, values) is not None:
         return None
     values = {k: values[k] for k in compiled.values}
     if not decisions.hold(values):
