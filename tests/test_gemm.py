@@ -379,14 +379,14 @@ def test_the_few_rows_long_k_path_is_compiled_only_where_a_tile_may_take_it(
 ) -> None:
     """A small batch over a long K compiles the ranges (OPFUSE_GEMM_RANGES: 0.75 s of
     gcc); 128 rows (BERT-base's tiles) do not, nor does a K of at most OPFUSE_KC."""
-    from opfuse.backends.c import gemm, module
+    from opfuse.backends.c import module, own_gemm
 
     for name, value in (
-        ("OPFUSE_KC", gemm.OWN_KC),
-        ("OPFUSE_MR", gemm.OWN_MR),
-        ("OPFUSE_PF_MIN", gemm.OWN_PF_MIN),
+        ("OPFUSE_KC", own_gemm.OWN_KC),
+        ("OPFUSE_MR", own_gemm.OWN_MR),
+        ("OPFUSE_PF_MIN", own_gemm.OWN_PF_MIN),
     ):
-        assert f"#define {name} {value}" in gemm.OWN_GEMM
+        assert f"#define {name} {value}" in own_gemm.OWN_GEMM
     headers: list[str] = []
     real = module.build
 
@@ -401,5 +401,5 @@ def test_the_few_rows_long_k_path_is_compiled_only_where_a_tile_may_take_it(
         lin, x = nn.Linear(k, 40), torch.randn(rows, k)
         fast = _compiled(lin, x)
         assert any("opfuse_gemm_tile" in h for h in headers)
-        assert any(gemm.GEMM_RANGES in h for h in headers) is want, (rows, k)
+        assert any(own_gemm.GEMM_RANGES in h for h in headers) is want, (rows, k)
         assert_matches_eager(lin, fast(x), (x,))

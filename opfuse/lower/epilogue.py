@@ -150,7 +150,7 @@ class GemmKernel:
     tile_m: int
     tile_n: int
     threads: int  # the thread count it was compiled for
-    own: bool = False  # tiles computed by opfuse's GEMM (backends/c/gemm.py), not the library
+    own: bool = False  # tiles computed by opfuse's GEMM (backends/c/own_gemm.py), not the library
     notes: dict[str, str] = field(default_factory=dict, compare=False)
 
     @property
@@ -231,7 +231,7 @@ def in_place(epilogue: Kernel, result: str) -> bool:
 
 
 TILE_MAX_ELEMENTS = 1 << 19  # 2 MB of float32: a tile and its epilogue stay in L2
-OWN_PANEL = 32  # the columns of a panel of B packed for opfuse's GEMM (backends/c/gemm.py)
+OWN_PANEL = 32  # the columns of a panel of B packed for opfuse's GEMM (backends/c/own_gemm.py)
 
 
 def tiles(spec: GemmSpec, threads: int, epilogue: bool = True, panel: int = 64) -> tuple[int, int]:

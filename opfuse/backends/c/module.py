@@ -24,19 +24,17 @@ from ..base import Make, Module, Unavailable
 from .build import BuildError, Library, build
 from .depthwise import OWN_DEPTHWISE, pack_filters, render_depthwise, render_dw_gemm
 from .gemm import (
-    GEMM_RANGES,
     GEMM_TYPES,
-    OWN_GEMM,
     OwnPack,
     blas,
     can_pack,
-    gemm_ranges,
     own_layout,
     pack_layout,
     pack_weight,
     render_gemm,
 )
 from .library import LINEAR_CALLS, constant, describe, linear_call, onednn_call
+from .own_gemm import GEMM_RANGES, OWN_GEMM, gemm_ranges
 from .render import render_module
 from .small_conv import OWN_SMALL_CONV, pack_dense
 from .winograd import OWN_WINOGRAD, pack_winograd, render_winograd
