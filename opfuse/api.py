@@ -18,9 +18,9 @@ from torch.utils import _pytree as pytree
 
 from .frontend import structure
 from .frontend.capture import Captured, CaptureError, capture_module
+from .frontend.grad import THROUGH, GradOutputs, with_grad
 from .frontend.symbolic import DimSpec, Family, changed_dims, export_family, given_dims
 from .frontend.watch import ParameterWatch
-from .ir.graph import CONSTANT
 from .options import Options
 from .pipeline import CompiledGraph, compile_graph, warn_once
 from .report.make import count_kernels
@@ -58,7 +58,6 @@ _MODELESS = frozenset(
         _nn.PixelShuffle, _nn.PixelUnshuffle, _nn.Upsample, _nn.ZeroPad2d,
     )
 )  # fmt: skip
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 @functools.cache
@@ -246,6 +245,7 @@ class CompiledModule(torch.nn.Module):
         self._exports = 0  # exports with symbolic sizes tried
         # signatures the family's generic run serves (Family.make_generic)
         self._generic_runs: dict[tuple[Any, ...], Callable[[Sequence[Any]], Any]] = {}
+        self._grads = GradOutputs()
         self._first = self._compile(
             args, kwargs, self._family_for(model, args, kwargs, self._flat(args, kwargs))
         )
@@ -268,7 +268,7 @@ class CompiledModule(torch.nn.Module):
         new._cache_limit = self._cache_limit
         # the export holds this module's weights: the copy exports its own when it needs one
         new._dynamic_shapes, new._families, new._exports = self._dynamic_shapes, [], 0
-        new._generic_runs = {}
+        new._generic_runs, new._grads = {}, GradOutputs()
         new._kw_order = list(self._kw_order)
         new._lock, new._dynamo = _CompileLock(), None
         new._entries, new.__dict__["_served"] = {}, list(self.__dict__.get("_served", []))
@@ -607,8 +607,9 @@ class CompiledModule(torch.nn.Module):
         cap = entry.captured
         if (
             torch.is_grad_enabled()
-            and id(cap) in self.__dict__.get("_shared_outputs", ())
-            and self._needs_grad(cap) is not None
+            and id(cap) in self._grads.shared
+            and self._grads.needs(cap, self.__dict__["_model"], self.__dict__["_params"])
+            is not None
         ):
             return self._through_dynamo(*args, **kwargs)  # (seen: not run twice)
         inputs = [leaves[k] if role == "user" else cap.state[k] for role, k in cap.input_roles]
@@ -628,86 +629,10 @@ class CompiledModule(torch.nn.Module):
     def _with_grad(
         self, out: Any, args: tuple[Any, ...], kwargs: dict[str, Any], cap: Captured
     ) -> Any:
-        """Eager's outputs require grad where they depend on a parameter that does (an
-        eval-mode model fine-tuned, BatchNorm frozen): those of the graph's outputs get a
-        backward that runs eager's forward at these inputs again and differentiates it.
-        Only a backward pays for the second forward."""
-        needs = self._needs_grad(cap)
-        if needs is None or any(role != "user" for role, _ in cap.output_roles):
-            # (a graph that writes its inputs or buffers: running the model again, for a
-            # backward or through torch.compile, would write them twice)
-            return out
-        flat, spec = structure.flatten(out)
-        if len(flat) != len(needs):
-            return self._through_dynamo(*args, **kwargs)
-        picked = [k for k, t in enumerate(flat) if needs[k] and t.dtype.is_floating_point]
-        # one tensor returned in several places (hidden_states[-1] is last_hidden_state)
-        # is one output of the node, as it is one tensor in eager's
-        first: dict[int, int] = {}
-        for k in picked:
-            first.setdefault(id(flat[k]), k)
-        unique = list(first.values())
-        storages = {flat[k].untyped_storage().data_ptr() for k in unique}
-        if len(storages) < len(unique):
-            # outputs that share memory: eager's writes through one show in the other,
-            # and autograd tracks them as views of one another; torch.compile keeps that
-            self.__dict__.setdefault("_shared_outputs", set()).add(id(cap))
-            return self._through_dynamo(*args, **kwargs)
-        outs = []
-        for k in unique:
-            t = flat[k]
-            if t._is_view():  # autograd forbids writing in place to a custom node's views
-                t = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-                t.copy_(flat[k])
-            outs.append(t)
+        """`out` with a backward where eager's would have one (frontend/grad.py)."""
         model = self.__dict__["_model"]
-
-        def recompute() -> list[torch.Tensor]:
-            again, _ = structure.flatten(model(*args, **kwargs))
-            if len(again) != len(flat):
-                raise RuntimeError("opfuse: the model's outputs changed structure since")
-            return [again[k] for k in unique]
-
-        params = list(filter(_REQUIRES_GRAD, self.__dict__["_params"]))
-        grads = _Recomputed.apply(_Again(recompute, params, outs), *params)
-        by_id = {id(flat[k]): g for k, g in zip(unique, grads)}
-        for k in picked:
-            flat[k] = by_id[id(flat[k])]
-        return structure.unflatten(spec, flat)
-
-    def _needs_grad(self, cap: Captured) -> list[bool] | None:
-        """Per user output of `cap`: does it depend on a parameter that requires grad now
-        (a constant of its graph shares the storage of the tensor it froze under that
-        parameter's name)? None where none does. Found once per capture and set of such
-        parameters."""
-        flags = tuple(map(_REQUIRES_GRAD, self.__dict__["_params"]))
-        if not any(flags):
-            return None
-        cache = self.__dict__.setdefault("_grad_outputs", {})
-        hit = cache.get((id(cap), flags))
-        if hit is not None and hit[0] is cap:
-            return hit[1]
-        # by name: a deep copy's graphs hold the original's tensors until either changes
-        wanted = {n for n, p in self.__dict__["_model"].named_parameters() if p.requires_grad}
-        ptrs = {t.data_ptr() for n, t in cap.frozen.items() if n in wanted}
-        g = cap.graph
-        depends: dict[Any, bool] = {}
-        for n in g.nodes:  # in order: inputs before their users
-            if n.op == CONSTANT:
-                t = g.constants.get(n.name)
-                depends[n] = t is not None and t.data_ptr() in ptrs
-            else:
-                depends[n] = any(depends.get(i, False) for i in n.inputs())
-        user = [
-            depends.get(o, False)
-            for o, (role, _) in zip(g.outputs, cap.output_roles)
-            if role == "user"
-        ]
-        result = user if any(user) else None
-        if len(cache) > 64:
-            cache.clear()
-        cache[(id(cap), flags)] = (cap, result)
-        return result
+        got = with_grad(self._grads, out, cap, model, self.__dict__["_params"], args, kwargs)
+        return self._through_dynamo(*args, **kwargs) if got is THROUGH else got
 
     def _declared(self, leaves: list[Any]) -> bool:
         """Do these inputs have the sizes `dynamic_shapes` declared (the export admits
@@ -762,39 +687,6 @@ class CompiledModule(torch.nn.Module):
 
             self._dynamo = torch.compile(self.__dict__["_model"], backend=opfuse_backend)
         return self._dynamo(*args, **kwargs)
-
-
-@dataclass
-class _Again:
-    recompute: Callable[[], list[torch.Tensor]]  # eager's differentiable outputs, again
-    params: list[torch.Tensor]
-    outs: list[torch.Tensor]  # the graph's: fresh tensors each call, returned as they are
-
-
-class _Recomputed(torch.autograd.Function):
-    """The graph's outputs (computed without autograd) as outputs of a node whose backward
-    differentiates eager's forward, run again."""
-
-    @staticmethod
-    def forward(ctx: Any, again: _Again, *params: torch.Tensor) -> Any:
-        ctx.again = again
-        outs, again.outs = again.outs, []  # (not kept alive by the graph)
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
-        again: _Again = ctx.again
-        with torch.enable_grad():
-            outs = again.recompute()
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-        got = torch.autograd.grad(
-            [o for o, _ in pairs],
-            again.params,
-            [g for _, g in pairs],
-            allow_unused=True,
-            create_graph=torch.is_grad_enabled(),
-        )
-        return (None, *got)
 
 
 def compile(
