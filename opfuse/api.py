@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import logging
-import operator
 import threading
 import warnings
 from collections.abc import Callable, Sequence
@@ -19,8 +17,9 @@ from torch.utils import _pytree as pytree
 from .frontend import structure
 from .frontend.capture import Captured, CaptureError, capture_module
 from .frontend.grad import THROUGH, GradOutputs, with_grad
+from .frontend.structure import describe_mismatch, signature
 from .frontend.symbolic import DimSpec, Family, changed_dims, export_family, given_dims
-from .frontend.watch import ParameterWatch
+from .frontend.watch import TRAINING, ParameterWatch, modeless
 from .options import Options
 from .pipeline import CompiledGraph, compile_graph, warn_once
 from .report.make import count_kernels
@@ -35,43 +34,6 @@ log = logging.getLogger("opfuse")
 MAX_EXPORTS = 2
 # Signatures remembered as served by an export's generic run (each is checked once).
 GENERIC_SIGNATURES = 4096
-
-_TRAINING = operator.attrgetter("training")
-# The forwards of torch.nn's modules that never read `self.training` (inherited ones too:
-# ReLU6 is Hardtanh's, torchvision's Conv2dNormActivation Sequential's): a module running
-# one of them computes the same in either mode, so a call need not check its mode.
-# BatchNorm, dropout, RNNs, attention and every class of the model's own are checked.
-_nn = torch.nn
-_MODELESS = frozenset(
-    c.forward
-    for c in (
-        _nn.Module, _nn.Sequential, _nn.ModuleList, _nn.ModuleDict, _nn.Identity,
-        _nn.Conv1d, _nn.Conv2d, _nn.Conv3d, _nn.ConvTranspose1d, _nn.ConvTranspose2d,
-        _nn.ConvTranspose3d, _nn.Linear, _nn.Bilinear, _nn.Flatten, _nn.Unflatten,
-        _nn.ReLU, _nn.LeakyReLU, _nn.PReLU, _nn.ELU, _nn.SELU, _nn.CELU, _nn.GELU,
-        _nn.SiLU, _nn.Mish, _nn.Hardswish, _nn.Hardsigmoid, _nn.Hardtanh, _nn.Sigmoid,
-        _nn.Tanh, _nn.Softmax, _nn.LogSoftmax, _nn.Softplus, _nn.GLU,
-        _nn.MaxPool1d, _nn.MaxPool2d, _nn.MaxPool3d, _nn.AvgPool1d, _nn.AvgPool2d,
-        _nn.AvgPool3d, _nn.AdaptiveAvgPool1d, _nn.AdaptiveAvgPool2d, _nn.AdaptiveAvgPool3d,
-        _nn.AdaptiveMaxPool1d, _nn.AdaptiveMaxPool2d, _nn.AdaptiveMaxPool3d,
-        _nn.LayerNorm, _nn.GroupNorm, _nn.RMSNorm, _nn.LocalResponseNorm, _nn.Embedding,
-        _nn.PixelShuffle, _nn.PixelUnshuffle, _nn.Upsample, _nn.ZeroPad2d,
-    )
-)  # fmt: skip
-
-
-@functools.cache
-def _modeless(cls: type[torch.nn.Module]) -> bool:
-    """Does a module of class `cls` compute the same in either mode? Its forward is one of
-    _MODELESS and no class of its own (outside torch.nn) overrides a method that forward
-    may call (a convolution's `_conv_forward` that reads `self.training`): it may only add
-    a constructor."""
-    return cls.forward in _MODELESS and not any(
-        callable(v) and k != "__init__"
-        for c in cls.__mro__
-        if c is not object and not c.__module__.startswith("torch.nn.")
-        for k, v in vars(c).items()
-    )
 
 
 def _autocast() -> tuple[Any, ...]:
@@ -124,53 +86,6 @@ def _as_module(model: Any) -> torch.nn.Module:
     if callable(model):
         return _Function(model)
     raise TypeError(f"opfuse: expected a torch.nn.Module or a function, got {type(model).__name__}")
-
-
-def _signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
-    sig: list[Any] = []
-    first: dict[int, int] = {}  # id of a tensor -> the leaf it first appeared as
-    for k, v in enumerate(leaves):
-        if isinstance(v, torch.Tensor):
-            # torch.export traces a tensor passed twice as one input: that graph reads the
-            # first leaf for both, and must not serve a call with two different tensors
-            seen = first.setdefault(id(v), k)
-            if seen != k:
-                sig.append(("same tensor as input", seen))
-                continue
-            sig.append(("tensor", tuple(v.shape), tuple(v.stride()), v.dtype, str(v.device)))
-        else:
-            try:
-                hash(v)
-                sig.append(("value", type(v), v))
-            except TypeError:
-                sig.append(("value", type(v), repr(v)))
-    return tuple(sig)
-
-
-def _describe_mismatch(new: tuple[Any, ...], known: tuple[Any, ...]) -> str:
-    if len(new) != len(known):
-        return f"{len(new)} inputs, compiled for {len(known)}"
-    for k, (a, b) in enumerate(zip(new, known)):
-        if a == b:
-            continue
-        if a[0] == "tensor" and b[0] == "tensor":
-            for what, i in (("shape", 1), ("strides", 2), ("dtype", 3), ("device", 4)):
-                if a[i] != b[i]:
-                    return f"input {k} has {what} {_fmt(a[i])}, compiled for {_fmt(b[i])}"
-        if "same tensor as input" in (a[0], b[0]):
-            return f"input {k} is {_which(a)}, compiled for {_which(b)}"
-        return f"input {k} is {a[2]!r}, compiled for {b[2]!r}"
-    return "inputs differ"
-
-
-def _which(entry: tuple[Any, ...]) -> str:
-    if entry[0] != "tensor":
-        return f"the same tensor as input {entry[1]}"
-    return "its own tensor"
-
-
-def _fmt(v: Any) -> str:
-    return str(list(v)) if isinstance(v, tuple) else str(v)
 
 
 class _CompileLock:
@@ -290,15 +205,15 @@ class CompiledModule(torch.nn.Module):
         """The graphs hold every submodule's mode at the compile (dropout off, BatchNorm
         with running statistics): each call compares them, the model's own and those of
         the submodules whose forward may read it (not torch's convolutions, linears,
-        activations...: _MODELESS; MobileNetV2 71 of its 178 modules, MobileNetV3-Large 71
+        activations...: watch.MODELESS; MobileNetV2 71 of its 178 modules, MobileNetV3-Large 71
         of 184: b1 calls 0.985-0.995x and 0.98-0.99x the time). Taken at every compile,
         with the parameters the gradient path reads: a compile after a submodule was
         replaced watches the new one."""
         subs = list(model.modules())
-        modal = [m for m in subs[1:] if not _modeless(type(m))]  # type: ignore[arg-type]
+        modal = [m for m in subs[1:] if not modeless(type(m))]  # type: ignore[arg-type]
         self.__dict__["_submodules"] = subs[:1] + modal
         self.__dict__["_params"] = list(model.parameters())
-        self._modes = list(map(_TRAINING, self.__dict__["_submodules"]))
+        self._modes = list(map(TRAINING, self.__dict__["_submodules"]))
 
     def _flat(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         if not kwargs and all(isinstance(a, torch.Tensor) for a in args):
@@ -324,7 +239,7 @@ class CompiledModule(torch.nn.Module):
         earlier compile served these sizes (_serve), for the report."""
         model = self.__dict__["_model"]
         leaves = self._flat(args, kwargs)
-        sig = _signature(leaves)
+        sig = signature(leaves)
         reused = self._reuse.pop(sig, None)
         captured = self._share_state(reused or self._capture(model, args, kwargs, leaves, family))
         compiled: CompiledGraph | None
@@ -522,7 +437,7 @@ class CompiledModule(torch.nn.Module):
             self._invalidate(recapture=watch.borrowed or watch.replaced())
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if list(map(_TRAINING, self.__dict__["_submodules"])) != self._modes:
+        if list(map(TRAINING, self.__dict__["_submodules"])) != self._modes:
             # model.train() (or a submodule's) since the compile: eager would use batch
             # statistics and dropout, which the graphs do not; until the modes are back
             warn_once(
@@ -546,7 +461,7 @@ class CompiledModule(torch.nn.Module):
             isinstance(t, torch.Tensor) and t.requires_grad for t in leaves
         ):
             return self._through_dynamo(*args, **kwargs)
-        sig = _signature(leaves)
+        sig = signature(leaves)
         entry = self._entries.get(sig)
         generic = self._generic_runs.get(sig) if entry is None else None
         if generic is not None:
@@ -565,7 +480,7 @@ class CompiledModule(torch.nn.Module):
                     ):
                         known = next(iter(self._entries or self._stale))
                         raise RecompileError(
-                            f"opfuse: {_describe_mismatch(sig, known)}; recompiling is switched off"
+                            f"opfuse: {describe_mismatch(sig, known)}; recompiling is switched off"
                         )
                     family = self._family_for(self.__dict__["_model"], args, kwargs, leaves)
                     if family is not None and family.generic is not None:

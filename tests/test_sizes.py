@@ -24,7 +24,7 @@ from opfuse.ir.size import (
     unhoisted,
     value_at,
 )
-from tests.conftest import caches_of_the_reference_host, count_compiler_runs
+from tests.conftest import assert_matches_eager, caches_of_the_reference_host, count_compiler_runs
 
 OPS = [operator.add, operator.sub, operator.mul, operator.floordiv, operator.mod]
 
@@ -472,3 +472,25 @@ def test_a_kernel_comment_prints_no_size_specific_count() -> None:
         bytes_written=24,
     )
     assert traffic(static) == "reads 96 bytes, writes 24 bytes"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_size_as_a_low_precision_value_converts_as_a_cast_from_int64(
+    dtype: torch.dtype,
+) -> None:
+    """Sizes in the arithmetic of a float16/bfloat16 tensor, as scalars and as fills (the
+    sizes symbolic; 2049 rows: no float16 holds it): no further from float64 than eager
+    at every size the compile serves."""
+    from opfuse.frontend import dynamo
+
+    def scaled(x: torch.Tensor) -> torch.Tensor:
+        return x * x.shape[0] + x.shape[1] + torch.full_like(x, x.shape[0] * 3) * x
+
+    torch._dynamo.reset()
+    f = torch.compile(scaled, backend="opfuse", dynamic=True)
+    before = dynamo.compiles()
+    for rows in (5, 9, 300, 2049):
+        x = torch.randn(rows, 7).to(dtype)
+        assert_matches_eager(scaled, f(x), (x,))
+    torch._dynamo.reset()
+    assert dynamo.compiles() - before == 1

@@ -3,13 +3,15 @@
 Covers what models return: tensors, tuples, lists, dicts, namedtuples, dataclasses (frozen
 ones too) and every type registered with torch's pytree (the ModelOutput classes of
 popular model libraries register themselves). Non-tensor leaves are kept in the spec, so a
-compiled model returns exactly the structure eager returns.
+compiled model returns exactly the structure eager returns. The leaves' signature is what
+a compile for them is kept under (opfuse.compile compiles again for another).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -85,3 +87,53 @@ def unflatten(spec: Spec, leaves: list[Any]) -> Any:
     for name, v in zip(spec.context, values):
         object.__setattr__(obj, name, v)
     return obj
+
+
+def signature(leaves: Sequence[Any]) -> tuple[Any, ...]:
+    """What a compile for these input leaves assumes of them: each tensor's shape, strides,
+    dtype and device (or which earlier leaf it is), each other value itself."""
+    sig: list[Any] = []
+    first: dict[int, int] = {}  # id of a tensor -> the leaf it first appeared as
+    for k, v in enumerate(leaves):
+        if isinstance(v, torch.Tensor):
+            # torch.export traces a tensor passed twice as one input: that graph reads the
+            # first leaf for both, and must not serve a call with two different tensors
+            seen = first.setdefault(id(v), k)
+            if seen != k:
+                sig.append(("same tensor as input", seen))
+                continue
+            sig.append(("tensor", tuple(v.shape), tuple(v.stride()), v.dtype, str(v.device)))
+        else:
+            try:
+                hash(v)
+                sig.append(("value", type(v), v))
+            except TypeError:
+                sig.append(("value", type(v), repr(v)))
+    return tuple(sig)
+
+
+def describe_mismatch(new: tuple[Any, ...], known: tuple[Any, ...]) -> str:
+    """The first way signature `new` differs from `known`, for an error message."""
+    if len(new) != len(known):
+        return f"{len(new)} inputs, compiled for {len(known)}"
+    for k, (a, b) in enumerate(zip(new, known)):
+        if a == b:
+            continue
+        if a[0] == "tensor" and b[0] == "tensor":
+            for what, i in (("shape", 1), ("strides", 2), ("dtype", 3), ("device", 4)):
+                if a[i] != b[i]:
+                    return f"input {k} has {what} {_fmt(a[i])}, compiled for {_fmt(b[i])}"
+        if "same tensor as input" in (a[0], b[0]):
+            return f"input {k} is {_which(a)}, compiled for {_which(b)}"
+        return f"input {k} is {a[2]!r}, compiled for {b[2]!r}"
+    return "inputs differ"
+
+
+def _which(entry: tuple[Any, ...]) -> str:
+    if entry[0] != "tensor":
+        return f"the same tensor as input {entry[1]}"
+    return "its own tensor"
+
+
+def _fmt(v: Any) -> str:
+    return str(list(v)) if isinstance(v, tuple) else str(v)

@@ -14,6 +14,8 @@ submodules' children (a deletion moves no hook). The sum is read in C from
 the tensors' TensorImpls where the helper builds (`VersionSum`): right after a call (the
 counters out of cache), MobileNetV3-Large's 266 tensors took 62 us through Python's
 `_version` (3% of its batch-1 call) and 13 us in C, ResNet-50's 267 131 us and 29 us.
+
+The submodules' modes are watched too (MODELESS: those whose mode changes nothing).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 from ..ir.graph import version
 from ..runtime.execute import packs_epoch
@@ -49,6 +52,43 @@ extern "C" int64_t opfuse_version_sum(int64_t n, c10::TensorImpl *const *impls) 
   return s;
 }
 """
+
+
+TRAINING = operator.attrgetter("training")
+# The forwards of torch.nn's modules that never read `self.training` (inherited ones too:
+# ReLU6 is Hardtanh's, torchvision's Conv2dNormActivation Sequential's): a module running
+# one of them computes the same in either mode, so a call need not check its mode.
+# BatchNorm, dropout, RNNs, attention and every class of the model's own are checked.
+MODELESS = frozenset(
+    c.forward
+    for c in (
+        nn.Module, nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.Identity,
+        nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+        nn.ConvTranspose3d, nn.Linear, nn.Bilinear, nn.Flatten, nn.Unflatten,
+        nn.ReLU, nn.LeakyReLU, nn.PReLU, nn.ELU, nn.SELU, nn.CELU, nn.GELU,
+        nn.SiLU, nn.Mish, nn.Hardswish, nn.Hardsigmoid, nn.Hardtanh, nn.Sigmoid,
+        nn.Tanh, nn.Softmax, nn.LogSoftmax, nn.Softplus, nn.GLU,
+        nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d,
+        nn.AvgPool3d, nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+        nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
+        nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm, nn.Embedding,
+        nn.PixelShuffle, nn.PixelUnshuffle, nn.Upsample, nn.ZeroPad2d,
+    )
+)  # fmt: skip
+
+
+@functools.cache
+def modeless(cls: type[torch.nn.Module]) -> bool:
+    """Does a module of class `cls` compute the same in either mode? Its forward is one of
+    MODELESS and no class of its own (outside torch.nn) overrides a method that forward
+    may call (a convolution's `_conv_forward` that reads `self.training`): it may only add
+    a constructor."""
+    return cls.forward in MODELESS and not any(
+        callable(v) and k != "__init__"
+        for c in cls.__mro__
+        if c is not object and not c.__module__.startswith("torch.nn.")
+        for k, v in vars(c).items()
+    )
 
 
 @functools.lru_cache(maxsize=1)

@@ -48,11 +48,7 @@ def literal(value: object, dtype: torch.dtype) -> str:
     if dtype == torch.bool:
         return "1" if value else "0"
     if is_size(value):  # (its expression while symbolic text is printed, else its value)
-        if dtype == torch.float16:
-            return f"((_Float16)((float)({value})))"
-        if dtype == torch.bfloat16:
-            return f"f32_to_bf16((float)({value}))"
-        return f"(({CTYPE[dtype]})({value}))"
+        return convert(f"({value})", torch.int64, dtype)
     if dtype.is_floating_point:
         text = format_float(float(value))  # type: ignore[arg-type]
         if dtype == torch.float64:
