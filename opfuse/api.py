@@ -7,7 +7,7 @@ import dataclasses
 import logging
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -598,10 +598,44 @@ class CompiledModule(torch.nn.Module):
         semantics need autograd, which the frozen graph does not record) and for signatures
         whose compile failed."""
         if self._dynamo is None:
-            from .frontend.dynamo import opfuse_backend
-
-            self._dynamo = torch.compile(self.__dict__["_model"], backend=opfuse_backend)
+            self._dynamo = _torch_compile(self.__dict__["_model"], self._options)
         return self._dynamo(*args, **kwargs)
+
+
+def _torch_compile(model: torch.nn.Module, options: Options, dynamic: bool | None = None) -> Any:
+    """`model` through torch.compile with opfuse's backend and these options (all of their
+    fields but `freeze`: the backend's graphs take the parameters as inputs)."""
+    from .frontend.dynamo import opfuse_backend
+
+    return torch.compile(
+        model, backend=opfuse_backend, dynamic=dynamic, options=_backend_options(options)
+    )
+
+
+def _backend_options(options: Options) -> dict[str, Any]:
+    """`options` as torch.compile's `options` for opfuse's backend."""
+    given = {f.name: getattr(options, f.name) for f in dataclasses.fields(Options)}
+    del given["freeze"]
+    return given
+
+
+def _as_options(options: Options | Mapping[str, Any] | None) -> Options:
+    """opfuse.compile's `options`: an Options, or a mapping of its fields' names (as
+    torch.compile's `options` for the backend take them)."""
+    if options is None or isinstance(options, Options):
+        return options or Options()
+    if not isinstance(options, Mapping):
+        raise TypeError(
+            f"opfuse.compile: options must be an opfuse.Options or a dict of its fields, "
+            f"not {type(options).__name__}"
+        )
+    fields = {f.name for f in dataclasses.fields(Options)}
+    unknown = sorted(set(options) - fields)
+    if unknown:
+        raise ValueError(
+            f"opfuse.compile: unknown options {unknown}; valid: {', '.join(sorted(fields))}"
+        )
+    return Options(**options)
 
 
 def compile(
@@ -612,7 +646,7 @@ def compile(
     dynamic_shapes: Any = None,
     recompile: bool = True,
     cache_limit: int | None = None,
-    options: Options | None = None,
+    options: Options | Mapping[str, Any] | None = None,
 ) -> torch.nn.Module:
     """Compile `model` (a module or a function) for inputs like `example_inputs` (a tensor
     or a tuple of args).
@@ -635,22 +669,18 @@ def compile(
     model = _as_module(model)
     if cache_limit is not None and cache_limit < 1:
         raise ValueError(f"opfuse: cache_limit must be at least 1, got {cache_limit}")
-    opts = options or Options()
+    opts = _as_options(options)
     if model.training:
-        from .frontend.dynamo import opfuse_backend
-
         # declared dynamic sizes: dynamo's graphs take every size symbolic
         dynamic = True if dynamic_shapes is not None else None
-        return torch.compile(model, backend=opfuse_backend, dynamic=dynamic)  # type: ignore[return-value]
+        return _torch_compile(model, opts, dynamic)
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     try:
         return CompiledModule(model, args, kwargs, opts, recompile, cache_limit, dynamic_shapes)
     except CaptureError as e:
         warn_once(f"opfuse: {e}; compiling through torch.compile instead")
-    from .frontend.dynamo import opfuse_backend
-
-    return torch.compile(model, backend=opfuse_backend)  # type: ignore[return-value]
+    return _torch_compile(model, opts)
 
 
 def _fallback_message(e: Exception) -> str:
@@ -682,13 +712,13 @@ def explain(
     *,
     example_kwargs: dict[str, Any] | None = None,
     dynamic_shapes: Any = None,
-    options: Options | None = None,
+    options: Options | Mapping[str, Any] | None = None,
 ) -> FusionReport:
     """The FusionReport of compiling `model` (a module or a function): groups, patterns,
     folds, refusals. With `dynamic_shapes` (as for compile), the compile at the example
     inputs' sizes from an export with those sizes symbolic, and which ones it kept so."""
     model = _as_module(model)
-    opts = options or Options()
+    opts = _as_options(options)
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     if not model.training:
@@ -711,7 +741,7 @@ def explain(
     from .frontend.dynamo import collect_reports
 
     # Training mode runs the model once; a copy keeps the caller's running stats intact.
-    report = collect_reports(copy.deepcopy(model), args, kwargs)
+    report = collect_reports(copy.deepcopy(model), args, kwargs, options=_backend_options(opts))
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm):
             report.rejected.append(

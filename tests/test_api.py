@@ -320,6 +320,39 @@ def test_a_compile_bug_falls_back_to_torch_compile(monkeypatch: pytest.MonkeyPat
     assert any("IndexError" in w for w in fast.report.warnings)
 
 
+def test_options_as_a_dict_reach_every_path_and_a_wrong_one_is_an_error() -> None:
+    """opfuse.compile's and explain's `options` may be a dict of Options' fields, as
+    torch.compile's are, and reach the torch.compile paths too (training mode, inputs
+    that require grad, explain in training mode). Misspelt names and other types are
+    errors, not a compile that fails and falls back to torch."""
+    from opfuse.frontend import dynamo
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(16, 32), nn.GELU()).eval()
+    x = torch.randn(8, 16)
+    forced = "forced by Options.implementation"
+    with torch.no_grad():
+        fast = opfuse.compile(m, (x,), options={"implementation": "blocked"})
+        assert_matches_eager(m, fast(x), (x,))
+    assert [g.implementation.split(" (")[0] for g in fast.report.groups] == ["blocked"]
+    with dynamo.listening() as reports:
+        xg = x.clone().requires_grad_()
+        fast(xg).sum().backward()  # (inputs that require grad: through torch.compile)
+        opfuse.compile(copy.deepcopy(m).train(), (x,), options={"implementation": "blocked"})(
+            x
+        ).sum().backward()
+    assert xg.grad is not None
+    gemms = [g for r in reports for g in r.groups if g.implementation]
+    assert len(gemms) >= 4 and all(forced in g.implementation for g in gemms)
+    report = opfuse.explain(copy.deepcopy(m).train(), (x,), options={"implementation": "blocked"})
+    explained = [g.implementation for g in report.groups if g.implementation]
+    assert explained and all(forced in i for i in explained)
+    with pytest.raises(ValueError, match=r"unknown options \['implementaton'\]"):
+        opfuse.compile(m, (x,), options={"implementaton": "unfused"})
+    with pytest.raises(TypeError, match=r"opfuse\.Options or a dict"):
+        opfuse.explain(m, (x,), options=["unfused"])  # type: ignore[arg-type]
+
+
 def test_misspelt_options_are_errors_not_fallbacks() -> None:
     with pytest.raises(ValueError, match=r"Options\.layout"):
         opfuse.Options(layout="nchw")

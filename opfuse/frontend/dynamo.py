@@ -571,13 +571,14 @@ def collect_reports(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     backward: bool = False,
+    options: dict[str, Any] | None = None,
 ) -> FusionReport:
-    """Run `model` once under torch.compile(backend=opfuse) (and, with `backward`, the
-    backward of the sum of its outputs that require grad) and merge the reports of every
-    graph compiled meanwhile."""
+    """Run `model` once under torch.compile(backend=opfuse, options=options) (and, with
+    `backward`, the backward of the sum of its outputs that require grad) and merge the
+    reports of every graph compiled meanwhile."""
     with listening() as sinks:
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend=opfuse_backend)
+        compiled = torch.compile(model, backend=opfuse_backend, options=options)
         out = compiled(*args, **kwargs)
         if backward:
             from .structure import flatten
