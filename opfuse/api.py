@@ -603,39 +603,19 @@ class CompiledModule(torch.nn.Module):
 
 
 def _torch_compile(model: torch.nn.Module, options: Options, dynamic: bool | None = None) -> Any:
-    """`model` through torch.compile with opfuse's backend and these options (all of their
-    fields but `freeze`: the backend's graphs take the parameters as inputs)."""
-    from .frontend.dynamo import opfuse_backend
+    """`model` through torch.compile with opfuse's backend and these options (but for
+    `freeze`: the backend's graphs take the parameters as inputs)."""
+    from .frontend.dynamo import backend_for
 
-    return torch.compile(
-        model, backend=opfuse_backend, dynamic=dynamic, options=_backend_options(options)
-    )
+    return torch.compile(model, backend=backend_for(options), dynamic=dynamic)
 
 
-def _backend_options(options: Options) -> dict[str, Any]:
-    """`options` as torch.compile's `options` for opfuse's backend."""
-    given = {f.name: getattr(options, f.name) for f in dataclasses.fields(Options)}
-    del given["freeze"]
-    return given
-
-
-def _as_options(options: Options | Mapping[str, Any] | None) -> Options:
-    """opfuse.compile's `options`: an Options, or a mapping of its fields' names (as
-    torch.compile's `options` for the backend take them)."""
+def _as_options(options: Options | Mapping[str, Any] | None, where: str) -> Options:
+    """opfuse.compile's and explain's `options`: an Options, or a mapping of its fields'
+    names (as torch.compile's `options` for the backend take them)."""
     if options is None or isinstance(options, Options):
         return options or Options()
-    if not isinstance(options, Mapping):
-        raise TypeError(
-            f"opfuse.compile: options must be an opfuse.Options or a dict of its fields, "
-            f"not {type(options).__name__}"
-        )
-    fields = {f.name for f in dataclasses.fields(Options)}
-    unknown = sorted(set(options) - fields)
-    if unknown:
-        raise ValueError(
-            f"opfuse.compile: unknown options {unknown}; valid: {', '.join(sorted(fields))}"
-        )
-    return Options(**options)
+    return Options.of(options, where)
 
 
 def compile(
@@ -669,7 +649,7 @@ def compile(
     model = _as_module(model)
     if cache_limit is not None and cache_limit < 1:
         raise ValueError(f"opfuse: cache_limit must be at least 1, got {cache_limit}")
-    opts = _as_options(options)
+    opts = _as_options(options, "opfuse.compile")
     if model.training:
         # declared dynamic sizes: dynamo's graphs take every size symbolic
         dynamic = True if dynamic_shapes is not None else None
@@ -718,7 +698,7 @@ def explain(
     folds, refusals. With `dynamic_shapes` (as for compile), the compile at the example
     inputs' sizes from an export with those sizes symbolic, and which ones it kept so."""
     model = _as_module(model)
-    opts = _as_options(options)
+    opts = _as_options(options, "opfuse.explain")
     args = _as_args(example_inputs)
     kwargs = dict(example_kwargs or {})
     if not model.training:
@@ -741,7 +721,7 @@ def explain(
     from .frontend.dynamo import collect_reports
 
     # Training mode runs the model once; a copy keeps the caller's running stats intact.
-    report = collect_reports(copy.deepcopy(model), args, kwargs, options=_backend_options(opts))
+    report = collect_reports(copy.deepcopy(model), args, kwargs, options=opts)
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.modules.batchnorm._BatchNorm):
             report.rejected.append(

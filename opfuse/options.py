@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -63,6 +63,26 @@ class Options:
     # on CPU tensors with TRITON_INTERPRET=1), library calls with torch; "auto": Triton
     # for graphs on a GPU, C otherwise.
     backend: str = _env("OPFUSE_BACKEND", _text("auto"))
+
+    @classmethod
+    def of(
+        cls, given: Mapping[str, Any], where: str, *, extra: Collection[str] = (), **fixed: Any
+    ) -> Options:
+        """Options from a mapping of field names (the form torch.compile's `options` take),
+        with `fixed` set: a name that is no field, or one of `fixed`, is a ValueError that
+        lists the valid ones. Names in `extra` are the caller's to read and are skipped."""
+        if not isinstance(given, Mapping):
+            raise TypeError(
+                f"{where}: options must be an opfuse.Options or a dict of its fields, "
+                f"not {type(given).__name__}"
+            )
+        names = ({f.name for f in fields(cls)} - set(fixed)) | set(extra)
+        unknown = sorted(set(given) - names)
+        if unknown:
+            raise ValueError(
+                f"{where}: unknown options {unknown}; valid: {', '.join(sorted(names))}"
+            )
+        return cls(**{k: v for k, v in given.items() if k not in extra}, **fixed)
 
     def __post_init__(self) -> None:
         # Checked here, not where they are read: a compile that fails later falls back to

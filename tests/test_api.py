@@ -347,10 +347,17 @@ def test_options_as_a_dict_reach_every_path_and_a_wrong_one_is_an_error() -> Non
     report = opfuse.explain(copy.deepcopy(m).train(), (x,), options={"implementation": "blocked"})
     explained = [g.implementation for g in report.groups if g.implementation]
     assert explained and all(forced in i for i in explained)
-    with pytest.raises(ValueError, match=r"unknown options \['implementaton'\]"):
+    with pytest.raises(ValueError, match=r"^opfuse\.compile: unknown options \['implementaton'\]"):
         opfuse.compile(m, (x,), options={"implementaton": "unfused"})
-    with pytest.raises(TypeError, match=r"opfuse\.Options or a dict"):
+    with pytest.raises(TypeError, match=r"^opfuse\.explain: options must be an opfuse\.Options"):
         opfuse.explain(m, (x,), options=["unfused"])  # type: ignore[arg-type]
+    # the backend's graphs take parameters as inputs: `freeze` is not one of its options
+    with pytest.raises(ValueError, match=r"^opfuse backend: unknown options \['freeze'\]"):
+        dynamo.backend_options({"freeze": True})
+    assert dynamo.backend_options(opfuse.Options(implementation="blocked")) == (
+        opfuse.Options(implementation="blocked", freeze=False),
+        None,
+    )
 
 
 def test_misspelt_options_are_errors_not_fallbacks() -> None:

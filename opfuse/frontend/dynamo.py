@@ -9,7 +9,7 @@ import dataclasses
 import functools
 import logging
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -489,13 +489,13 @@ def _forward_compiler(
 def opfuse_backend(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[Any],
-    options: dict[str, Any] | None = None,
+    options: Options | dict[str, Any] | None = None,
     **kwargs: Any,
 ) -> Any:
     """The torch.compile backend: forward and backward graphs both go through opfuse.
     `torch.compile(..., options={...})` takes `cache_limit` (input shapes compiled per
     graph; by default CACHE_LIMIT, or SIZES_LIMIT within POOL_BUDGET for a graph with
-    symbolic sizes) and the fields of opfuse.Options."""
+    symbolic sizes) and the fields of opfuse.Options; `backend_for` gives it an Options."""
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -526,19 +526,16 @@ def opfuse_backend(
         return twice_differentiable(backend(gm, example_inputs), gm, facts)
 
 
-def backend_options(given: dict[str, Any]) -> tuple[Options, int | None]:
-    """torch.compile's `options` for this backend, checked: (Options, cache_limit or None
-    for the defaults)."""
-    fields = {f.name for f in dataclasses.fields(Options)} - {"freeze"}
-    unknown = sorted(set(given) - fields - {"cache_limit"})
-    if unknown:
-        valid = ", ".join(sorted(fields | {"cache_limit"}))
-        raise ValueError(f"opfuse backend: unknown options {unknown}; valid: {valid}")
-    cache_limit = given.get("cache_limit")
+def backend_options(given: Options | Mapping[str, Any]) -> tuple[Options, int | None]:
+    """torch.compile's `options` for this backend (a dict, or the Options of an
+    opfuse.compile that goes through torch.compile), checked: (Options, cache_limit or None
+    for the defaults). The backend's graphs take the parameters as inputs: never frozen."""
+    if isinstance(given, Options):
+        return dataclasses.replace(given, freeze=False), None
+    cache_limit = given.get("cache_limit") if isinstance(given, Mapping) else None
     if cache_limit is not None and (not isinstance(cache_limit, int) or cache_limit < 0):
         raise ValueError(f"opfuse backend: cache_limit must be a count >= 0, not {cache_limit!r}")
-    opts = {k: v for k, v in given.items() if k != "cache_limit"}
-    return Options(**opts, freeze=False), cache_limit
+    return Options.of(given, "opfuse backend", extra=("cache_limit",), freeze=False), cache_limit
 
 
 def _save_compared(graph: torch.fx.Graph) -> None:
@@ -566,19 +563,24 @@ def _save_compared(graph: torch.fx.Graph) -> None:
                     a.meta["recompute"] = CheckpointPolicy.MUST_SAVE
 
 
+def backend_for(options: Options | None) -> Callable[..., Any]:
+    """opfuse's backend with these Options (torch.compile's own `options` take a dict)."""
+    return functools.partial(opfuse_backend, options=options)
+
+
 def collect_reports(
     model: torch.nn.Module,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     backward: bool = False,
-    options: dict[str, Any] | None = None,
+    options: Options | None = None,
 ) -> FusionReport:
-    """Run `model` once under torch.compile(backend=opfuse, options=options) (and, with
+    """Run `model` once under torch.compile with opfuse's backend and `options` (and, with
     `backward`, the backward of the sum of its outputs that require grad) and merge the
     reports of every graph compiled meanwhile."""
     with listening() as sinks:
         torch._dynamo.reset()
-        compiled = torch.compile(model, backend=opfuse_backend, options=options)
+        compiled = torch.compile(model, backend=backend_for(options))
         out = compiled(*args, **kwargs)
         if backward:
             from .structure import flatten
