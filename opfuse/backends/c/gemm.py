@@ -16,7 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -153,58 +153,41 @@ def pack_weight(
     return buf
 
 
-def own_layout(k: GemmKernel) -> tuple[list[int], int]:
-    """Where each column tile's panels start in opfuse's packed weight (floats) and the
-    total size."""
-    spec = k.spec
-    offsets, total = [], 0
-    for n0 in range(0, spec.n, k.tile_n):
-        panels = -(-min(k.tile_n, spec.n - n0) // OWN_NR)
-        offsets.append(total)
-        total += panels * spec.k * OWN_NR
-    return offsets, total
+def own_floats(k: GemmKernel) -> int:
+    """The floats of opfuse's packed weight: B in panels of OWN_NR columns, K x OWN_NR
+    each, the last zero-padded. Column tiles are whole panels but for the last, so a tile
+    at column n0 starts at float n0 * K whatever the tiling (which may be an expression of
+    the sizes: epilogue.own_tiles)."""
+    return -(-k.spec.n // OWN_NR) * OWN_NR * k.spec.k
 
 
 @dataclass(frozen=True)
 class OwnPack:
     """How opfuse's GEMM reads one weight packed (B as the GEMM reads it, [K, N], its
-    storage possibly transposed): per column tile, panels of 32 columns, K x 32 each,
-    zero-padded (pack_panels), at the offsets own_layout gives the rendered kernel. Equal
-    packs of one tensor are equal bytes, so the compiles of a graph per size share one
-    packed copy (runtime/execute.Packed, execute.pack_frozen) instead of one each
-    (BERT-base: 340 MB per size)."""
+    storage possibly transposed): panels of 32 columns, K x 32 each, zero-padded
+    (pack_panels), the same for every tiling. Equal packs of one tensor are equal bytes,
+    so the compiles of a graph per size share one packed copy (runtime/execute.Packed,
+    execute.pack_frozen) instead of one each (BERT-base: 340 MB per size)."""
 
     k: int
     n: int
     trans: bool
     ld: int
-    # (first column, columns) of each panel: column tiles of any multiple of 32 columns
-    # give the same panels, in the same places
-    panels: tuple[tuple[int, int], ...]
-    tile_n: int = field(compare=False)
-    offsets: tuple[int, ...] = field(compare=False)
-    total: int = field(compare=False)
 
     @staticmethod
     def of(kernel: GemmKernel) -> OwnPack:
         spec = kernel.spec
-        offsets, total = own_layout(kernel)
-        tiles = [(n0, min(kernel.tile_n, spec.n - n0)) for n0 in range(0, spec.n, kernel.tile_n)]
-        panels = tuple(
-            (n0 + p, min(OWN_NR, nn - p)) for n0, nn in tiles for p in range(0, nn, OWN_NR)
-        )
-        return OwnPack(
-            spec.k, spec.n, spec.b.trans, spec.b.ld, panels, kernel.tile_n, tuple(offsets), total
-        )
+        return OwnPack(spec.k, spec.n, spec.b.trans, spec.b.ld)
+
+    @property
+    def total(self) -> int:
+        return -(-self.n // OWN_NR) * OWN_NR * self.k
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:
         strides = (1, self.ld) if self.trans else (self.ld, 1)
         b = weight.as_strided((self.k, self.n), strides, weight.storage_offset())
         buf = weight_buffer(self.total)
-        for n0, off in zip(range(0, self.n, self.tile_n), self.offsets):
-            nn = min(self.tile_n, self.n - n0)
-            size = -(-nn // OWN_NR) * self.k * OWN_NR
-            pack_panels(b[:, n0 : n0 + nn], buf[off : off + size])
+        pack_panels(b, buf)
         return buf
 
 
@@ -249,10 +232,6 @@ def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> s
         if local:  # the packing areas follow the tile slots
             tiles = k.slots * k.tile_m * k.tile_n
             lines.append(f"  float *restrict packing = {g}_slots + {tiles};")
-    elif k.own:
-        assert packed_offsets is not None
-        offs = ", ".join(str(int(o)) for o in packed_offsets)
-        lines.append(f"  static const int64_t packed_at[] = {{{offs}}};")
     elif packed_offsets is not None:
         lines.append(
             f"  const opfuse_sgemm_compute_t gemm = (opfuse_sgemm_compute_t)args[{fn_arg}];"
@@ -295,7 +274,7 @@ def render_gemm(name: str, k: GemmKernel, packed_offsets: list[int] | None) -> s
         ]
     elif k.own:
         lines.append(
-            f"    opfuse_gemm_tile(A + {a_off}, {s.a.ld}, B + packed_at[tn], tile, {ldc}, "
+            f"    opfuse_gemm_tile(A + {a_off}, {s.a.ld}, B + {n0} * {s.k}, tile, {ldc}, "
             f"mm, nn, {s.k}, 1);"
         )
     elif packed_offsets is not None:

@@ -28,7 +28,7 @@ from .gemm import (
     OwnPack,
     blas,
     can_pack,
-    own_layout,
+    own_floats,
     pack_layout,
     pack_weight,
     render_gemm,
@@ -76,10 +76,7 @@ def _name(lowered: Lowered, tag: str) -> _Named:
                 out.dw_gemms.append((name, c))
             elif isinstance(c, GemmKernel):
                 offsets = None
-                if c.own:  # the rendered kernel's offsets (OwnPack derives the same);
-                    # none where the kernel packs B itself
-                    offsets = None if c.packs_b else own_layout(c)[0]
-                elif c.spec.packable and can_pack():
+                if not c.own and c.spec.packable and can_pack():
                     offsets, total = pack_layout(c)
                     out.layouts[(gid, cname)] = (offsets, total)
                 name = f"{tag}{c.name}_{cname.replace('-', '_')}_{gid}"
@@ -200,7 +197,7 @@ def _render(
             draw = render_depthwise if d.winograd is None else render_winograd
             tiled.append((n, d, functools.partial(draw, n, d)))
         tiled += [
-            (n, d, functools.partial(render_dw_gemm, n, d, own_layout(d.gemm)[1] if d.gemm else 0))
+            (n, d, functools.partial(render_dw_gemm, n, d, own_floats(d.gemm) if d.gemm else 0))
             for n, d in nm.dw_gemms
         ]
         for n, g, text in tiled:
