@@ -53,10 +53,18 @@ def test_arithmetic_keeps_an_expression_of_the_value(
     with symbolic_text() as seen:
         text = str(x)
     assert int(x) == (value_at(x, seen) if seen else int(text))
-    if isinstance(x, Size):  # and at other values of the symbols, as Python computes it
-        for d0, d1 in ((3, 5), (7, -1)):
-            moved = {"opfuse_s0": s0 + d0, "opfuse_s1": s1 + d1}
-            assert value_at(x, moved) == _replay(s0 + d0, s1 + d1, steps)
+    # and at other values of the symbols, as Python computes it (a plain int only where
+    # the result is the same at every size: x * 0, not (s0 // 64) * 64 at s0 < 64)
+    for d0, d1 in ((3, 5), (7, -1), (100, 3000)):
+        moved = {"opfuse_s0": s0 + d0, "opfuse_s1": s1 + d1}
+        assert value_at(x, moved) == _replay(s0 + d0, s1 + d1, steps)
+
+
+def test_a_size_that_is_zero_at_this_size_keeps_its_expression_in_a_product() -> None:
+    s = Size.symbol("s0", 10)
+    for x in ((s // 64) * 64, 64 * (s // 64), (s // 64) * (s // 64)):
+        assert isinstance(x, Size) and value_at(x, {"opfuse_s0": 130}) in (128, 4)
+    assert (s * 0, 0 * s) == (0, 0) and not isinstance(s * 0, Size)
 
 
 def _replay(s0: int, s1: int, steps: list[tuple[int, int, bool]]) -> int:

@@ -402,8 +402,9 @@ def _combine(a: Any, b: Any, op: str, fn: Any) -> Any:
         return a
     if not sa and ((ia == 0 and op == "+") or (ia == 1 and op == "*")):
         return b
-    if op == "*" and not (sa and sb) and (ia == 0 or ib == 0):
-        return value  # 0 whatever the other operand is
+    if op == "*" and ((not sa and ia == 0) or (not sb and ib == 0)):
+        return value  # a constant 0: 0 whatever the other operand is (not a Size that is
+        # 0 at this size: m // 64 is not 0 at every size)
     x: Any = a  # (a Size where sa: the test above narrowed both to int)
     y: Any = b
     text_a = x.text if sa else int.__repr__(a)
