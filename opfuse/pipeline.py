@@ -37,7 +37,8 @@ from .fusion.groups import Partition, check_partition
 from .fusion.partition import Fuel, partition
 from .ir import scalar
 from .ir.graph import Graph, size_symbols
-from .ir.size import Decisions, deciding
+from .ir.size import Decisions, adopt, deciding
+from .lower.epilogue import GemmKernel
 from .lower.groups import Lowered, lower_groups
 from .lower.lowering import why_not_lowered
 from .options import Options
@@ -47,7 +48,7 @@ from .rewrite import cleanup
 from .rewrite.passes import REWRITES
 from .runtime.execute import Plan, Runtime
 from .runtime.heap import collector_paused, release_freed_memory
-from .runtime.plan import build_plan, copied
+from .runtime.plan import BuiltGemm, build_plan, copied
 from .runtime.sized import plan_at
 
 log = logging.getLogger("opfuse")
@@ -66,6 +67,7 @@ class CompiledGraph:
     decisions: Decisions | None = None
     values: dict[str, int] = field(default_factory=dict)
     generic: bool = False  # its kernels take every Size as an argument (Module.generic)
+    kernels: str = ""  # the source of the kernels it runs (of the C backend)
     template: Plan | None = None  # the plan with its Sizes (`run` runs it evaluated)
 
     def __call__(self, inputs: list[Any]) -> list[Any]:
@@ -167,6 +169,9 @@ def _back(f: _Front, module: Module, eager_kernels: int | None, t0: float) -> Co
         warn_once(module.problem.splitlines()[0])
     with ctx.timed("tune"):
         built, decisions = tune(graph, part, module, opts.implementation)
+    for b in built.values():  # the decisions of the tiles chosen (the losers' take none)
+        if isinstance(b, BuiltGemm) and isinstance(b.kernel, GemmKernel):
+            adopt(b.kernel.decided)
     with ctx.timed("plan"):
         plan = build_plan(graph, part, built)
     report = make_report(
@@ -182,7 +187,10 @@ def _back(f: _Front, module: Module, eager_kernels: int | None, t0: float) -> Co
     if opts.debug_dir:
         dump(ctx, module.source, report, triton)
     compiled = CompiledGraph(graph, Runtime(plan), report, module.source)
-    compiled.generic = module.generic
+    # the kernels it runs (the candidates not chosen may differ at other sizes)
+    runs = {getattr(getattr(b, "fn", None), "__name__", "") for b in built.values()}
+    compiled.generic = module.generic and not runs & module.valued
+    compiled.kernels = "".join(t for n, t in module.kernels.items() if n in runs)
     release_freed_memory()
     return compiled
 

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import opfuse
 from opfuse import autotune
+from opfuse.ir.size import Size, deciding, symbolic_text, value_at
 from tests.conftest import Fn, assert_matches_eager
 
 IMPLS = [None, "unfused", "blocked", "opfuse-gemm", "onednn", "onednn-nhwc"]
@@ -683,6 +684,42 @@ def test_opfuse_gemm_splits_rows_where_a_short_matrix_would_reread_its_input(
     # a B the kernel packs (attention's), each thread would pack whole: columns
     spec = SimpleNamespace(m=m, k=k, n=n, batch=1, packable=False)
     assert epilogue.own_tiles(spec, 2) == epilogue.tiles(spec, 2, panel=32)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("threads", [2, 8])
+def test_opfuse_gemm_tiles_at_a_symbolic_row_count_are_one_expression_of_it(
+    threads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At a symbolic M, opfuse's GEMM takes its tiles as expressions of M that decide
+    nothing (the kernel computes them as it runs): one text for every M, the split of the
+    table above at its sizes below the rows split, whole panels of columns, and the rows
+    split from 128 rows per thread, in tiles that fit."""
+    from types import SimpleNamespace
+
+    from opfuse.lower import epilogue
+
+    monkeypatch.setattr(epilogue, "l1_bytes", lambda: 48 << 10)
+    monkeypatch.setattr(epilogue, "l2_bytes", lambda: 1 << 20)
+    for k, n in ((672, 112), (960, 160), (160, 960), (768, 3072), (64, 256), (512, 50000)):
+        texts = set()
+        for m in (3, 49, 128, 196, 255, 256, 1000, 3136, 40000):
+            s = Size.symbol("s0", 7)
+            spec = SimpleNamespace(m=s, k=k, n=n, batch=1, packable=True)
+            with deciding() as log:
+                tm, tn = epilogue.own_tiles(spec, threads)  # type: ignore[arg-type]
+            assert len(log) == 0
+            with symbolic_text():
+                texts.add(f"{tm} {tn}")
+            tm, tn = (value_at(x, {"opfuse_s0": m}) for x in (tm, tn))
+            assert tm >= 1 and (tn % 32 == 0 or tn >= n)
+            if threads == 2 and m in (49, 196) and (k, n) != (512, 50000):  # (below the rows split)
+                fixed = SimpleNamespace(m=m, k=k, n=n, batch=1, packable=True)
+                static = epilogue.own_tiles(fixed, 2)  # type: ignore[arg-type]
+                assert (min(tm, m), min(tn, n)) == static, (m, k, n)
+            if m >= 128 * threads:  # rows for every thread (a vocabulary's columns in blocks)
+                assert tn == n or tm * tn <= epilogue.TILE_MAX_ELEMENTS
+                assert -(-m // tm) >= threads
+        assert len(texts) == 1
 
 
 def test_opfuse_gemm_row_tiles_match_eager() -> None:

@@ -405,6 +405,40 @@ def test_a_library_linear_serves_other_sizes(implementation: str) -> None:
     assert all(g.implementation.startswith(kind) for r in reports for g in r.groups[:1])
 
 
+@pytest.mark.parametrize("epilogue", ["gelu", "residual", "none"])
+def test_opfuse_gemm_serves_every_row_count_with_tiles_it_takes_as_it_runs(
+    epilogue: str,
+) -> None:
+    """opfuse's GEMM at a symbolic row count tiles rows or columns as the kernel runs
+    (epilogue.own_tiles): one compile over 2-1100 rows, the split at 256 rows included.
+    The library's GEMM (its packed weight laid out per column tile) decides the split at
+    compile time: chosen, it compiles again across it. (Each served size is also compiled
+    and compared with it: OPFUSE_CHECK_SERVED.)"""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 96).eval()
+    fns: dict[str, Any] = {
+        "gelu": lambda x: torch.nn.functional.gelu(lin(x)),
+        "residual": lambda x: lin(x) + x.repeat(1, 2)[:, :96],
+        "none": lambda x: lin(x),
+    }
+    fn = fns[epilogue]
+    counts = {}
+    for implementation in ("opfuse-gemm", "blocked"):
+        torch._dynamo.reset()
+        options = {"implementation": implementation}
+        f = torch.compile(fn, backend="opfuse", dynamic=True, options=options)
+        before = dynamo.compiles()
+        with torch.no_grad(), dynamo.listening() as reports:
+            for m in (16, 300, 100, 512, 255, 256, 2, 9, 1100):
+                x = torch.randn(m, 64)
+                torch.testing.assert_close(f(x), fn(x), rtol=1e-4, atol=1e-4)
+        torch._dynamo.reset()
+        counts[implementation] = dynamo.compiles() - before
+        assert all(g.implementation.startswith(implementation) for r in reports for g in r.groups)
+    assert counts["opfuse-gemm"] == 1
+    assert counts["blocked"] >= 2
+
+
 _KINDS = {
     "elementwise": lambda x: ((x * 2).relu() + 1).sigmoid() * x,
     "reduction": lambda x: torch.softmax(x, -1) + torch.nn.functional.layer_norm(x, x.shape[-1:]),

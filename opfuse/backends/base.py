@@ -51,9 +51,12 @@ class Module:
     signatures: dict[int, list[str]] = field(default_factory=dict)
     cached: bool = True
     problem: str = ""  # why nothing was built (the compiler failed)
-    # every kernel printed its Sizes as expressions of the size symbols (backends/c: a
-    # graph with symbolic sizes): the library serves any size of the graph
+    # its kernels printed Sizes as expressions of the size symbols (backends/c: a graph
+    # with symbolic sizes), those in `valued` (by name) some as their values: the library
+    # serves any size of the graph where the kernels run are not `valued`
     generic: bool = False
+    valued: set[str] = field(default_factory=set)
+    kernels: dict[str, str] = field(default_factory=dict)  # each kernel's source, by name
     # (group, candidate) -> the groups before it whose work that candidate does too (a
     # depthwise convolution feeding a matmul, and the matmul before it: lower/dw_gemm.py);
     # the tuner times them together

@@ -110,6 +110,15 @@ class Decisions:
     def __len__(self) -> int:
         return len(self.outcomes) + len(self.tests)
 
+    def merge(self, other: Decisions) -> None:
+        """Take `other`'s decisions as this compile's too."""
+        for key, outcome in other.outcomes.items():
+            if key not in self.outcomes:
+                self.outcomes[key] = outcome
+                self.sites[key] = other.sites[key]
+                self.check = None
+        self.tests += other.tests
+
     def otherwise(self, values: Mapping[str, int]) -> list[str]:
         """The decisions that come out otherwise at `values`, each as its comparison and
         where the compile took it (for the report: why a size compiled again)."""
@@ -164,6 +173,32 @@ def scoped(var: contextvars.ContextVar[Any], value: T) -> Iterator[T]:
 def deciding() -> contextlib.AbstractContextManager[Decisions]:
     """Record the decisions taken from Sizes inside."""
     return scoped(_deciding, Decisions())
+
+
+def recording(log: Decisions | None) -> contextlib.AbstractContextManager[Decisions | None]:
+    """Record the decisions taken inside in `log` (None: where they are recorded now): a
+    candidate implementation's own, which count only if it is chosen (adopt)."""
+    return scoped(_deciding, log) if log is not None else contextlib.nullcontext()
+
+
+def adopt(log: Decisions | None) -> None:
+    """`log`'s decisions (a chosen candidate's: recording) as those of the compile."""
+    now = _deciding.get()
+    if now is not None and log is not None and log is not now:
+        now.merge(log)
+
+
+def at_least(x: int, bound: int) -> int:
+    """1 where x >= bound (> 0), else 0, for x >= 0: an expression of a Size that decides
+    nothing (the kernel computes which side it is on as it runs)."""
+    if not isinstance(x, Size):
+        return int(x >= bound)
+    return 1 - 1 // (x // bound + 1)
+
+
+def either(flag: int, a: int, b: int) -> int:
+    """a where flag (0 or 1, at_least's) is 1, else b: one expression for both."""
+    return flag * a + (1 - flag) * b
 
 
 def decisions() -> Decisions | None:

@@ -26,7 +26,7 @@ from ..ir.graph import CONSTANT, GETITEM, INPUT, STATIC, Graph, Node, bind
 from ..ir.index import Ix, Var, address
 from ..ir.ops import VIEW_OPS
 from ..ir.scalar import walk
-from ..ir.size import is_size
+from ..ir.size import Decisions, at_least, deciding, either, is_size
 from ..ir.uses import used_outside
 from ..tools.caches import l1_bytes, l2_bytes
 from .kernel import Kernel, map_indices
@@ -152,6 +152,9 @@ class GemmKernel:
     threads: int  # the thread count it was compiled for
     own: bool = False  # tiles computed by opfuse's GEMM (backends/c/own_gemm.py), not the library
     notes: dict[str, str] = field(default_factory=dict, compare=False)
+    # the decisions its tiles took from the sizes (and its rendering and packing take):
+    # the compile's only if it is the candidate chosen (ir/size.recording, adopt)
+    decided: Decisions | None = field(default=None, compare=False)
 
     @property
     def implementation(self) -> str:
@@ -285,6 +288,8 @@ def own_tiles(spec: GemmSpec, threads: int, epilogue: bool = True) -> tuple[int,
     0.94x the time, 196x672x112 0.90x, 196x480x80 0.72x (80 columns split 64 and 16),
     49x960x160 0.91x; 49x160x960, whose A stays in L1, 1.07x (kept as columns); ResNet's
     196x1024x256 and 196x256x1024 (B of 1 MiB) 0.99x."""
+    if is_size(spec.m) and not is_size(spec.batch) and spec.batch < threads:
+        return _own_tiles_any_rows(spec, threads, epilogue)
     tm, tn = tiles(spec, threads, epilogue, OWN_PANEL)
     m, n, k = spec.m, spec.n, spec.k
     rows = -(-m // threads)
@@ -301,6 +306,44 @@ def own_tiles(spec: GemmSpec, threads: int, epilogue: bool = True) -> tuple[int,
     return tm, tn
 
 
+def _own_tiles_any_rows(spec: GemmSpec, threads: int, epilogue: bool) -> tuple[int, int]:
+    """own_tiles at a symbolic row count m as expressions the kernel computes when it runs
+    (its packed weight is one layout for every tiling, backends/c/gemm.own_floats), so
+    that no row count decides and one compile serves them all: the rows split from 128
+    rows per thread, as `tiles` takes it; below that the small-weight rows split where
+    own_tiles takes it, else the columns split, its tiles sized for the most rows below."""
+    m, n, k = spec.m, spec.n, spec.k
+    bound = 128 * threads
+    full = n  # the rows split's columns: all, or (a vocabulary) blocks of them that fit
+    if epilogue:  # whole rounds of at most the rows whose tile fits in cache, in 16s
+        while 128 * full > TILE_MAX_ELEMENTS and full > 512:
+            full = _round_up(full // 2, 64)
+        fit = max(128, TILE_MAX_ELEMENTS // full // 16 * 16)
+        tall = _round_up(even_tiles(m, fit, threads), 16)
+    else:
+        tall = -(-m // threads)
+    tn = _round_up(-(-n // threads), OWN_PANEL)
+    wide = m
+    if epilogue:
+        while (bound - 1) * tn > TILE_MAX_ELEMENTS and tn > 512:
+            tn = _round_up(tn // 2, 64)
+        if (bound - 1) * tn > TILE_MAX_ELEMENTS:  # (many threads) rows in pieces that fit
+            fit = max(128, TILE_MAX_ELEMENTS * 3 // 4 // tn // 16 * 16)
+            wide = _round_up(-(-m // (m // fit + 1)), 16)
+    low_m, low_n = wide, tn
+    if (
+        spec.batch == 1
+        and spec.packable
+        and tn < n
+        and 4 * k * n <= l2_bytes()
+        and 128 * n <= TILE_MAX_ELEMENTS
+    ):  # own_tiles' rows split where one thread's A would not stay in L1
+        few = at_least(m, l1_bytes() // (4 * k) + 1)
+        low_m, low_n = either(few, -(-m // threads), wide), either(few, n, tn)
+    high = at_least(m, bound)
+    return either(high, tall, low_m), either(high, full, low_n)
+
+
 def _round_up(x: int, k: int) -> int:
     return -(-x // k) * k
 
@@ -311,9 +354,10 @@ def lower_blocked(
     members: Sequence[Node],
     threads: int,
     tile: tuple[int, int] | None = None,
+    decided: Decisions | None = None,
 ) -> GemmKernel:
-    """The GEMM in tiles (`tile`: rows x columns, else `tiles` chooses), each tile's
-    epilogue run while it is in cache."""
+    """The GEMM in tiles (`tile`: rows x columns, taken with the decisions `decided`, else
+    `tiles` chooses them), each tile's epilogue run while it is in cache."""
     spec, why = gemm_spec(anchor)
     if spec is None:
         raise NotFusable(why)
@@ -334,7 +378,10 @@ def lower_blocked(
     kernel, low = lower_on_domain(graph, epi or [anchor], domain, {anchor: gemm_value})
     gemm_buf = low.in_buffers[anchor].name
     _check_tile_local(kernel, gemm_buf)
-    tm, tn = tile or tiles(spec, threads, epilogue=bool(epi))
+    if tile is None:
+        with deciding() as decided:
+            tile = tiles(spec, threads, epilogue=bool(epi))
+    tm, tn = tile
     k = GemmKernel(
         name=_name(anchor, epi),
         ops=(anchor.op, *(m.op for m in epi)),
@@ -344,6 +391,7 @@ def lower_blocked(
         tile_m=tm,
         tile_n=tn,
         threads=threads,
+        decided=decided,
     )
     if k.in_place:
         return k

@@ -12,12 +12,13 @@ most 64, "onednn-kblocks", which keeps MKL's accuracy).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..fusion.groups import Group, Partition, Pattern
 from ..ir.graph import Graph, Node, bind
+from ..ir.size import deciding, is_size
 from ..rewrite.conv_rows import ROW_CONVS, convolution_of
 from ..rewrite.layout import is_channels_last as channels_last
 from .depthwise import DepthwiseKernel, implementation_of, lower_depthwise
@@ -124,10 +125,14 @@ def _blocked(
     try:
         own = own_gemm(k)
         # opfuse's GEMM takes tiles of its own (epilogue.own_tiles: columns in its panels
-        # of 32, rows split where few rows would share wide columns)
-        tile = own_tiles(k.spec, threads, any(m is not anchor for m in members))
-        if tile != (k.tile_m, k.tile_n):
-            own = own_gemm(lower_blocked(graph, anchor, members, threads, tile=tile))
+        # of 32, rows split where few rows would share wide columns; expressions of a
+        # symbolic row count), with the decisions they took
+        with deciding() as decided:
+            tile = own_tiles(k.spec, threads, any(m is not anchor for m in members))
+        if any(map(is_size, tile)) or tile != (k.tile_m, k.tile_n):
+            own = own_gemm(lower_blocked(graph, anchor, members, threads, tile, decided))
+        else:
+            own = replace(own, decided=decided)
         cands["opfuse-gemm"] = own
     except NotFusable as e:
         notes.append(f"opfuse-gemm: {e}")

@@ -244,7 +244,7 @@ def check(served: CompiledGraph, compile_here: Callable[[], CompiledGraph]) -> N
 
 def differences(served: CompiledGraph, fresh: CompiledGraph) -> str | None:
     """How a served size differs from a compile at it (None: not at all)."""
-    if served.source != fresh.source:
+    if served.kernels != fresh.kernels:
         return "the kernels' source"
     a, b = describe(served.run.plan), describe(fresh.run.plan)
     if len(a) != len(b):

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ...ir.graph import Graph
-from ...ir.size import Size, bindings, symbolic_text, unhoisted, value
+from ...ir.size import Size, bindings, recording, symbolic_text, unhoisted, value
 from ...lower.depthwise import DepthwiseKernel
 from ...lower.dw_gemm import DwGemmKernel
 from ...lower.epilogue import GemmKernel, OneDnnPlan, PackedThenKernel
@@ -77,7 +77,8 @@ def _name(lowered: Lowered, tag: str) -> _Named:
             elif isinstance(c, GemmKernel):
                 offsets = None
                 if not c.own and c.spec.packable and can_pack():
-                    offsets, total = pack_layout(c)
+                    with recording(c.decided):
+                        offsets, total = pack_layout(c)
                     out.layouts[(gid, cname)] = (offsets, total)
                 name = f"{tag}{c.name}_{cname.replace('-', '_')}_{gid}"
                 out.names[(gid, cname)] = name
@@ -157,16 +158,23 @@ def build_modules(parts: Sequence[tuple[Graph, Lowered]]) -> list[Module]:
         mine = [rendered[n] for n in first.values() if n in used]
         mod = Module(header + "\n".join(mine), cached=cached)
         mod.problem = problem
-        # every Size of every kernel printed as its expression: the library computes any
-        # size whose decisions come out the same (runtime/sized.py)
-        mod.generic = symbolic and not any(alias[n] in used for n in valued)
+        # every Size of the kernels it runs printed as its expression: the library computes
+        # any size whose decisions come out the same (runtime/sized.py)
+        mod.generic = symbolic
+        mod.valued = {alias[n] for n in valued} & used
+        mod.kernels = {n: rendered[n] for n in first.values() if n in used}
         for gid, cands in lowered.candidates.items():
             # the code the kernels share (opfuse's GEMM, its depthwise kernel): a tuning
             # decision made with another version of it is not this one's
             sig = [f"shared:{shared}"]
             for cname, c in sorted(cands.items()):
                 kname = names.get((gid, cname))
-                if kname:
+                if isinstance(c, GemmKernel) and c.decided:
+                    # tiles decided on the sizes apart (for this candidate alone): one
+                    # candidate at every size of the graph, whatever its tiles there
+                    with symbolic_text():
+                        text = f"tiled by size: {(c.name, c.ops, c.spec, c.own)!r}"
+                elif kname:
                     text = canonical[kname]
                 else:  # sizes as symbols: every size takes the first size's choice
                     with symbolic_text():
@@ -201,9 +209,12 @@ def _render(
             for n, d in nm.dw_gemms
         ]
         for n, g, text in tiled:
-            rendered[n], sized[n] = (
-                _sized(n, text, 3 + len(g.epilogue.buffers), valued) if symbolic else (text(), ())
-            )
+            with recording(g.decided if isinstance(g, GemmKernel) else None):
+                rendered[n], sized[n] = (
+                    _sized(n, text, 3 + len(g.epilogue.buffers), valued)
+                    if symbolic
+                    else (text(), ())
+                )
     return rendered, sized
 
 
@@ -316,7 +327,8 @@ def _make_gemm(
     fn_addr: int,
     sizes: tuple[int, ...] = (),
 ) -> Built:
-    packed = pack_weight(c, _weight(graph, c), *layout) if layout is not None else None
+    with recording(c.decided):
+        packed = pack_weight(c, _weight(graph, c), *layout) if layout is not None else None
     return BuiltGemm(c, fn, packed, fn_addr, sizes=sizes)
 
 
