@@ -504,6 +504,36 @@ def test_a_frozen_graph_keys_calls_by_its_live_inputs_only(monkeypatch: pytest.M
     torch._dynamo.reset()
 
 
+def test_instances_of_one_model_class_keep_their_own_frozen_compiles() -> None:
+    """dynamo hands every instance of a class the same graph, the parameters as inputs:
+    each instance's are compiled in apart and called alternately without compiling again
+    (they counted as changed parameters, and after FREEZE_CHANGES the graph stopped
+    freezing them)."""
+    import warnings
+
+    from opfuse.frontend import dynamo
+
+    torch.manual_seed(0)
+    a, x = _net()
+    b = _net()[0]
+    with torch.no_grad():
+        b.fc.weight.add_(1)  # (its own weights)
+    torch._dynamo.reset()
+    fa, fb = torch.compile(a, backend="opfuse"), torch.compile(b, backend="opfuse")
+    before = dynamo.compiles()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        for _ in range(dynamo.FREEZE_CHANGES + 2):
+            assert_matches_eager(a, fa(x), (x,))
+            assert_matches_eager(b, fb(x), (x,))
+        b.fc.weight.mul_(0.9)  # a change of one instance's is still followed
+        assert_matches_eager(a, fa(x), (x,))
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="changed"):
+        assert_matches_eager(b, fb(x), (x,))
+    assert dynamo.compiles() - before == 3
+    torch._dynamo.reset()
+
+
 def test_a_deep_copy_with_grad_differentiates_its_own_parameters() -> None:
     """A deep copy's graphs hold the original's tensors until either changes: which of its
     outputs need grad is found by parameter name, and its backward is its own model's."""

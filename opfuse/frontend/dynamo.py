@@ -103,6 +103,7 @@ class _GraphRunner:
         self.watches: dict[tuple[Any, ...], FrozenInputs] = {}
         self._live_at: list[int] = []
         self._live_for: frozenset[int] = frozenset()
+        self._first_frozen = 0  # (of the frozen positions, the first: _key)
         self.changes = 0  # compiles again because a frozen parameter changed
         self.fallback = fallback
         self.options = options
@@ -118,19 +119,24 @@ class _GraphRunner:
     def _key(self, args: Sequence[Any]) -> tuple[Any, ...]:
         """The signature of a call: the arguments' sizes, strides, dtypes and devices, but
         the frozen parameters' (the same tensors, unchanged, or the watch compiles again:
-        keying MobileNetV2's 262 of them cost 0.35 ms a call)."""
-        return tuple(
+        keying MobileNetV2's 262 of them cost 0.35 ms a call). Those are told apart by the
+        first one's identity: dynamo hands every instance of a model class the same graph,
+        and each instance's parameters are compiled in apart (its watch holds the tensor,
+        so no other takes its id)."""
+        key = tuple(
             (tuple(a.shape), tuple(a.stride()), a.dtype, str(a.device))
             if isinstance(a, torch.Tensor)
             else ("value", a)
             for a in (args if not self.frozen else [args[k] for k in self._live(len(args))])
         )
+        return (*key, id(args[self._first_frozen])) if self.frozen else key
 
     def _live(self, n: int) -> list[int]:
         """The positions of the n arguments that are not frozen."""
         if len(self._live_at) != n or self._live_for is not self.frozen:
             self._live_at = [k for k in range(n) if k not in self.frozen]
             self._live_for = self.frozen
+            self._first_frozen = min(self.frozen, default=0)
         return self._live_at
 
     def _compile(
