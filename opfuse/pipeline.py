@@ -187,10 +187,7 @@ def _back(f: _Front, module: Module, eager_kernels: int | None, t0: float) -> Co
     if opts.debug_dir:
         dump(ctx, module.source, report, triton)
     compiled = CompiledGraph(graph, Runtime(plan), report, module.source)
-    # the kernels it runs (the candidates not chosen may differ at other sizes)
-    runs = {getattr(getattr(b, "fn", None), "__name__", "") for b in built.values()}
-    compiled.generic = module.generic and not runs & module.valued
-    compiled.kernels = "".join(t for n, t in module.kernels.items() if n in runs)
+    compiled.generic, compiled.kernels = module.running(built.values())
     release_freed_memory()
     return compiled
 

@@ -13,7 +13,7 @@ import shutil
 import stat
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -61,6 +61,15 @@ class Module:
     # depthwise convolution feeding a matmul, and the matmul before it: lower/dw_gemm.py);
     # the tuner times them together
     absorbs: dict[tuple[int, str], tuple[int, ...]] = field(default_factory=dict)
+
+    def running(self, built: Iterable[Built]) -> tuple[bool, str]:
+        """Of the candidates chosen (`built`; those not chosen may differ at other sizes):
+        whether they serve every size of the graph (`generic`, none `valued`), and their
+        kernels' source. A built kernel is known by its function's name, which a
+        library's (ctypes) function takes from its symbol: the kernel's name."""
+        runs = {getattr(getattr(b, "fn", None), "__name__", "") for b in built}
+        text = "".join(t for n, t in self.kernels.items() if n in runs)
+        return self.generic and not runs & self.valued, text
 
 
 def cache_dir() -> Path:

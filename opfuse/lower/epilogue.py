@@ -308,7 +308,7 @@ def own_tiles(spec: GemmSpec, threads: int, epilogue: bool = True) -> tuple[int,
 
 def _own_tiles_any_rows(spec: GemmSpec, threads: int, epilogue: bool) -> tuple[int, int]:
     """own_tiles at a symbolic row count m as expressions the kernel computes when it runs
-    (its packed weight is one layout for every tiling, backends/c/gemm.own_floats), so
+    (its packed weight is one layout for every tiling, backends/c/gemm.OwnPack), so
     that no row count decides and one compile serves them all: the rows split from 128
     rows per thread, as `tiles` takes it; below that the small-weight rows split where
     own_tiles takes it, else the columns split, its tiles sized for the most rows below."""

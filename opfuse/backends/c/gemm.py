@@ -153,14 +153,6 @@ def pack_weight(
     return buf
 
 
-def own_floats(k: GemmKernel) -> int:
-    """The floats of opfuse's packed weight: B in panels of OWN_NR columns, K x OWN_NR
-    each, the last zero-padded. Column tiles are whole panels but for the last, so a tile
-    at column n0 starts at float n0 * K whatever the tiling (which may be an expression of
-    the sizes: epilogue.own_tiles)."""
-    return -(-k.spec.n // OWN_NR) * OWN_NR * k.spec.k
-
-
 @dataclass(frozen=True)
 class OwnPack:
     """How opfuse's GEMM reads one weight packed (B as the GEMM reads it, [K, N], its
@@ -181,6 +173,9 @@ class OwnPack:
 
     @property
     def total(self) -> int:
+        """The floats packed: N rounded up to whole panels, times K. Column tiles are whole
+        panels but for the last, so a tile at column n0 starts at float n0 * K whatever
+        the tiling (which may be an expression of the sizes: epilogue.own_tiles)."""
         return -(-self.n // OWN_NR) * OWN_NR * self.k
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:

@@ -28,7 +28,6 @@ from .gemm import (
     OwnPack,
     blas,
     can_pack,
-    own_floats,
     pack_layout,
     pack_weight,
     render_gemm,
@@ -204,10 +203,9 @@ def _render(
         for n, d in nm.depthwise:
             draw = render_depthwise if d.winograd is None else render_winograd
             tiled.append((n, d, functools.partial(draw, n, d)))
-        tiled += [
-            (n, d, functools.partial(render_dw_gemm, n, d, own_floats(d.gemm) if d.gemm else 0))
-            for n, d in nm.dw_gemms
-        ]
+        for n, dg in nm.dw_gemms:
+            floats = OwnPack.of(dg.gemm).total if dg.gemm else 0
+            tiled.append((n, dg, functools.partial(render_dw_gemm, n, dg, floats)))
         for n, g, text in tiled:
             with recording(g.decided if isinstance(g, GemmKernel) else None):
                 rendered[n], sized[n] = (
