@@ -12,6 +12,7 @@ import torch.nn as nn
 
 import opfuse
 from opfuse.bench.models import GPT2Block
+from opfuse.frontend import dynamo
 from opfuse.rewrite.attention import MIN_SCORES
 from tests.conftest import Fn, assert_matches_eager
 
@@ -144,6 +145,34 @@ def test_short_sequences_stay_explicit_and_say_why() -> None:
     (note,) = fast.report.attention
     assert "kept as matmul, softmax, matmul" in note and str(MIN_SCORES) in note
     assert_matches_eager(m, fast(q, k, v), (q, k, v))
+
+
+def test_a_symbolic_length_takes_the_fused_call_at_every_length() -> None:
+    """Under dynamic=True the length is a symbol: the fused call serves every length,
+    the short ones (which a static compile keeps explicit) included, so no decision is
+    taken on the length and one compile serves 16 to 300 tokens, masked or not."""
+    g = torch.Generator().manual_seed(0)
+
+    def f(q, k, v, m):  # type: ignore[no-untyped-def]
+        return ((q @ k.transpose(-1, -2)) * 0.25 + m).softmax(-1) @ v
+
+    m = Fn(f).eval()
+    torch._dynamo.reset()
+    fast = torch.compile(m, backend="opfuse", dynamic=True)
+    before = dynamo.compiles()
+    with torch.no_grad(), dynamo.listening() as reports:
+        for s in (16, 300, 40):
+            # (no two sizes equal: dynamo would give them one symbol, and recompile)
+            q, k, v = (torch.randn(3, 2, s, 8, generator=g) for _ in range(3))
+            drop = torch.rand(3, 1, 1, s, generator=g) < 0.2
+            mask = torch.zeros(3, 1, 1, s).masked_fill(drop, -math.inf)
+            mask[0, ..., :] = -math.inf  # a row fully masked: NaN, as in eager
+            assert_matches_eager(m, fast(q, k, v, mask), (q, k, v, mask))
+    torch._dynamo.reset()
+    assert dynamo.compiles() - before == 1
+    compiled = [r for r in reports if r.patterns()]  # (the compile and the sizes it served)
+    assert all(r.patterns().get("attention") == 1 for r in compiled), str(compiled[0])
+    assert sum("served by the compile at" in d for r in reports for d in r.dynamic) == 2
 
 
 @pytest.mark.skipif(

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ir.graph import CONSTANT, Graph, GraphBuilder, Node, bind
+from ..ir.size import is_size
 
 aten = torch.ops.aten
 
@@ -38,8 +39,27 @@ _CONVERT = ("aten._to_copy.default", "prims.convert_element_type.default")
 _FINITE_FILL = -1e30  # a finite `where` fill at most this is "minus infinity" for exp
 # Scores per head from which the fused call is faster than the generated softmax between
 # two GEMMs (GPT-2 block, batch 8, same process: 128 tokens 0%, 256 +3%, 512 +11%, 1024
-# +20%; ViT-B/16's 197 -2%, BERT-base batch 1 at 128 -6%). Below it the scores are small.
+# +20%; BERT-base batch 1: 16 tokens -4%, 64 -2%, 128 -4% to 0%, 192 0%, 256 +3%, 512
+# +5%). Below it the scores are small. A length that is symbolic takes the fused call at
+# every length: a few percent at short lengths is cheaper than a compile per side.
 MIN_SCORES = 256 * 256
+
+
+def run_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """softmax(q @ k^T * scale + mask) @ v with eager's result on fully masked rows (NaN),
+    laid out as `_layout` says. The plan calls it directly (runtime/plan.DIRECT): through
+    torch's dispatcher, the custom op below costs ~45 us more a call (BERT-base at 16
+    tokens: 0.1 ms a layer)."""
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    if mask is not None:
+        dead = torch.isneginf(mask).all(-1, keepdim=True)
+        if bool(dead.any()):
+            out = out.masked_fill(dead, math.nan)
+    if out.stride() != _strides(out.shape):  # torch chose another kernel: keep the layout
+        out = _layout(q, v).copy_(out)
+    return out
 
 
 @torch.library.custom_op("opfuse::attention", mutates_args=())
@@ -47,15 +67,7 @@ def attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
     """softmax(q @ k^T * scale + mask) @ v with eager's result on fully masked rows (NaN)."""
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    if mask is not None:
-        dead = torch.isneginf(mask).all(-1, keepdim=True)
-        if bool(dead.any()):
-            out = out.masked_fill(dead, math.nan)
-    want = _layout(q, v)
-    if out.stride() != want.stride():  # torch chose another kernel: keep the planned layout
-        out = want.copy_(out)
-    return out
+    return run_attention(q, k, v, mask, scale)
 
 
 @attention.register_fake
@@ -73,6 +85,19 @@ def _layout(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return q.new_empty(shape)
     b, h, s, d = shape
     return q.new_empty((b, s, h, d)).transpose(1, 2)
+
+
+def _strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of `_layout`'s tensor of this shape, without making it."""
+    memory = (shape[0], shape[2], shape[1], shape[3]) if len(shape) == 4 else tuple(shape)
+    strides, step = [], 1
+    for size in reversed(memory):  # as torch strides a contiguous tensor (sizes 0, 1 too)
+        strides.append(step)
+        step *= max(size, 1)
+    strides.reverse()
+    if len(shape) == 4:
+        strides[1], strides[2] = strides[2], strides[1]
+    return tuple(strides)
 
 
 @dataclass
@@ -99,7 +124,7 @@ def fuse_attention(graph: Graph) -> tuple[Graph, list[str]]:
             if m is None:
                 continue
             sq, sk = m.q.tensor.shape[-2], m.kt.tensor.shape[-1]
-            if sq * sk >= MIN_SCORES:
+            if is_size(sq * sk) or sq * sk >= MIN_SCORES:  # (a Size: no decision taken)
                 matches[m.out] = m
             else:
                 notes.append(

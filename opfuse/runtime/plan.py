@@ -14,13 +14,14 @@ import torch
 
 from ..fusion.groups import Partition
 from ..ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta, map_args
-from ..ir.ops import info
+from ..ir.ops import ATTENTION, info
 from ..ir.size import undecided
 from ..lower.bounds import output_bounds
 from ..lower.depthwise import DepthwiseKernel
 from ..lower.dw_gemm import DwGemmKernel
 from ..lower.epilogue import GemmKernel
 from ..lower.kernel import Kernel
+from ..rewrite.attention import run_attention
 from .execute import (
     Const,
     In,
@@ -150,6 +151,11 @@ IN_PLACE = {
 }
 
 
+# opfuse's own ops whose body a torch step calls directly: the dispatcher's way to a Python
+# custom op costs more than a short attention computes (rewrite/attention.run_attention).
+DIRECT: dict[str, Callable[..., Any]] = {ATTENTION: run_attention}
+
+
 class _Planner:
     def __init__(self, graph: Graph) -> None:
         self.g = graph
@@ -166,7 +172,7 @@ class _Planner:
     def torch_step(self, n: Node, fn: Callable[..., Any] | None = None) -> None:
         for i in n.inputs():
             self.need(i)
-        target = fn or (operator.getitem if n.op == GETITEM else n.target)
+        target = fn or (operator.getitem if n.op == GETITEM else DIRECT.get(n.op, n.target))
         s = self.slot
         inplace = IN_PLACE.get(n.op) if fn is None and isinstance(n.meta, TensorMeta) else None
         self.steps.append(

@@ -28,7 +28,7 @@ from ..ir.graph import CONSTANT, TensorMeta
 from ..ir.size import PREFIX, Size, value_at
 from ..settings import flag
 from .execute import Const, In, KernelStep, Out, Plan, Runtime, Scratch, TorchStep
-from .plan import storage_bytes
+from .plan import DIRECT, storage_bytes
 
 if TYPE_CHECKING:
     from ..pipeline import CompiledGraph
@@ -52,13 +52,19 @@ def why_not(compiled: CompiledGraph) -> str | None:
                 return f"{step.name} is a Triton kernel"
             continue
         if step.at is None:
-            if not isinstance(step.fn, _OpOverload) or step.inplace is not None:
+            if not _of_arguments(step.fn) or step.inplace is not None:
                 return f"{step.name} is a library call set up at this size"
             if step.guard is not None:
                 return f"{step.name} is a guarded library call"
         if step.out_fn is not None and not isinstance(step.out_fn, _OpOverload):
             return f"{step.name} writes through a library call set up at this size"
     return None
+
+
+def _of_arguments(fn: Any) -> bool:
+    """A torch step's function computes from its arguments alone (a torch op, or the body
+    of one of opfuse's ops), not from sizes a library call was set up at."""
+    return isinstance(fn, _OpOverload) or any(fn is f for f in DIRECT.values())
 
 
 def note(compiled: CompiledGraph) -> str | None:
