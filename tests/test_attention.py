@@ -13,7 +13,8 @@ import torch.nn as nn
 import opfuse
 from opfuse.bench.models import GPT2Block
 from opfuse.frontend import dynamo
-from opfuse.rewrite.attention import MIN_SCORES
+from opfuse.rewrite.attention import MIN_SCORES, _layout, _strides, run_attention
+from opfuse.runtime.execute import TorchStep
 from tests.conftest import Fn, assert_matches_eager
 
 S = 256  # 256x256 scores per head: at MIN_SCORES, so the rewrite applies
@@ -201,3 +202,12 @@ def test_transformer_block_never_stores_the_scores() -> None:
     assert max(plan.pool_sizes, default=0) < scores
     off = opfuse.compile(block, (x,), options=opfuse.Options(fuse_attention=False))
     assert max(off._first.compiled.run.plan.pool_sizes) >= scores  # (what it saves)
+    # the plan runs the call's body, not the custom op through torch's dispatcher
+    calls = [s for s in plan.steps if isinstance(s, TorchStep) and s.fn is run_attention]
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 5, 7), (1, 12, 1, 64), (2, 0, 3, 4), (3, 5, 7)])
+def test_the_layout_strides_are_those_of_the_layout_made(shape: tuple[int, ...]) -> None:
+    q = torch.empty(shape)
+    assert _strides(torch.Size(shape)) == _layout(q, q).stride()
