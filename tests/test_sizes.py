@@ -4,6 +4,7 @@ alike, so the compiler runs once and the tuner times once."""
 
 from __future__ import annotations
 
+import math
 import operator
 from typing import Any
 
@@ -17,9 +18,12 @@ from opfuse.backends.c import build
 from opfuse.bench import models
 from opfuse.ir.size import (
     Size,
+    at_least,
     bindings,
     deciding,
+    either,
     gcd,
+    readable,
     symbolic_text,
     unhoisted,
     value_at,
@@ -58,6 +62,41 @@ def test_arithmetic_keeps_an_expression_of_the_value(
     for d0, d1 in ((3, 5), (7, -1), (100, 3000)):
         moved = {"opfuse_s0": s0 + d0, "opfuse_s1": s1 + d1}
         assert value_at(x, moved) == _replay(s0 + d0, s1 + d1, steps)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.integers(1, 3000),
+    st.integers(1, 600),
+    st.integers(1, 64),
+    st.lists(st.sampled_from(["ceil", "either", "mod", "sub"]), max_size=5),
+)
+def test_a_decision_reads_as_what_it_computes(
+    s0: int, bound: int, k: int, steps: list[str]
+) -> None:
+    """readable (the report's form of a decision) shows at_least and either as a
+    comparison and a conditional, -(-a // b) as ceil(a / b): evaluated, it is the value
+    of the expression at other values of the symbol."""
+    a = Size.symbol("s0", s0)
+    x: Any = a
+    for step in steps:
+        if step == "ceil":
+            x = -(-x // k)
+        elif step == "either":
+            x = either(at_least(a, bound), x, a + k)
+        elif step == "mod":
+            x = x % k + x // k
+        else:
+            x = x - k
+    if not isinstance(x, Size):
+        return
+    shown = readable(x.text)
+    assert "floordiv" not in shown and "opfuse_" not in shown, shown
+    if "either" in steps:
+        assert f"if s0 >= {bound} else" in shown, shown
+    for other in (1, s0 + 7, 4000):
+        at = {"opfuse_s0": other}
+        assert eval(shown, {"ceil": math.ceil}, {"s0": other}) == value_at(x, at), shown
 
 
 def test_a_size_that_is_zero_at_this_size_keeps_its_expression_in_a_product() -> None:
@@ -121,7 +160,7 @@ def test_a_decision_names_where_it_was_taken() -> None:
     with deciding() as d:
         assert s < 256 and s * 2 == 20 and s + 1 > 3
     assert d.otherwise({"opfuse_s0": 12}) == [
-        "`(s0 * 2) == 20` (tests/test_sizes.test_a_decision_names_where_it_was_taken)"
+        "`s0 * 2 == 20` (tests/test_sizes.test_a_decision_names_where_it_was_taken)"
     ]
     assert len(d.otherwise({"opfuse_s0": 300})) == 2 and not d.otherwise({"opfuse_s0": 10})
 

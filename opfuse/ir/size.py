@@ -28,6 +28,7 @@ names those that differ and the function that took each.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import contextvars
 import functools
@@ -129,7 +130,7 @@ class Decisions:
             except (NameError, ArithmeticError, ValueError, TypeError):
                 same = False
             if not same:
-                shown = f"{a} {op} {b}".replace(PREFIX, "")
+                shown = readable(f"{a} {op} {b}")
                 out.append(f"`{shown}` ({self.sites.get((a, op, b), '?')})")
         for holds in self.tests:
             if not holds(values):
@@ -148,6 +149,74 @@ class Decisions:
         except (NameError, ArithmeticError, ValueError, TypeError):
             return False
         return all(holds(values) for holds in self.tests)
+
+
+def readable(text: str) -> str:
+    """A decision's expression as a person reads it: the symbols' bare names, floor
+    division and modulo as operators, -(-a // b) as ceil(a / b), and what at_least and
+    either compute as a comparison and a conditional (exact for sizes, which are >= 0)."""
+    bare = text.replace(PREFIX, "")
+    try:
+        tree = ast.parse(bare, mode="eval")
+    except SyntaxError:
+        return bare
+    return ast.unparse(_Readable().visit(tree))
+
+
+def _is_int(node: ast.AST, v: int) -> bool:
+    return isinstance(node, ast.Constant) and type(node.value) is int and node.value == v
+
+
+def _binop(node: ast.AST, op: type[ast.operator]) -> ast.BinOp | None:
+    return node if isinstance(node, ast.BinOp) and isinstance(node.op, op) else None
+
+
+class _Readable(ast.NodeTransformer):
+    """readable's rewrites, innermost first (what at_least makes is a comparison by the
+    time either's pattern is looked for)."""
+
+    def visit_Call(self, node: ast.Call) -> ast.AST:
+        self.generic_visit(node)
+        ops = {"floordiv": ast.FloorDiv, "floormod": ast.Mod}
+        if isinstance(node.func, ast.Name) and node.func.id in ops and len(node.args) == 2:
+            return ast.BinOp(node.args[0], ops[node.func.id](), node.args[1])
+        return node
+
+    def visit_UnaryOp(self, node: ast.UnaryOp) -> ast.AST:
+        self.generic_visit(node)
+        div = _binop(node.operand, ast.FloorDiv)
+        inner = div.left if div is not None else None
+        if (  # -(-a // b)
+            div is not None
+            and isinstance(node.op, ast.USub)
+            and isinstance(inner, ast.UnaryOp)
+            and isinstance(inner.op, ast.USub)
+        ):
+            true_div = ast.BinOp(inner.operand, ast.Div(), div.right)
+            return ast.Call(ast.Name("ceil", ast.Load()), [true_div], [])
+        return node
+
+    def visit_BinOp(self, node: ast.BinOp) -> ast.AST:
+        self.generic_visit(node)
+        # at_least: 1 - 1 // (x // bound + 1), x // 1 printed as x
+        div = _binop(node.right, ast.FloorDiv) if _binop(node, ast.Sub) else None
+        plus = _binop(div.right, ast.Add) if div is not None and _is_int(div.left, 1) else None
+        if _is_int(node.left, 1) and plus is not None and _is_int(plus.right, 1):
+            x = _binop(plus.left, ast.FloorDiv)
+            x_bound = (x.left, x.right) if x is not None else (plus.left, ast.Constant(1))
+            return ast.Compare(x_bound[0], [ast.GtE()], [x_bound[1]])
+        # either: flag * a + (1 - flag) * b
+        left, right = _binop(node.left, ast.Mult), _binop(node.right, ast.Mult)
+        if _binop(node, ast.Add) and left is not None and right is not None:
+            not_flag = _binop(right.left, ast.Sub)
+            if (
+                isinstance(left.left, ast.Compare)
+                and not_flag is not None
+                and _is_int(not_flag.left, 1)
+                and ast.dump(not_flag.right) == ast.dump(left.left)
+            ):
+                return ast.IfExp(left.left, left.right, right.right)
+        return node
 
 
 def _term(a: str, op: str, b: str, outcome: bool) -> str:
