@@ -308,7 +308,7 @@ def test_a_compile_bug_falls_back_to_torch_compile(monkeypatch: pytest.MonkeyPat
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise IndexError("a bug in a later stage")
 
-    monkeypatch.setattr(opfuse.api, "compile_graph", broken)
+    monkeypatch.setattr(opfuse.compiled, "compile_graph", broken)
     m = _mlp().eval()
     x = torch.randn(3, 8)
     with pytest.warns(RuntimeWarning, match="IndexError: a bug in a later stage"):

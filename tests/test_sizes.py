@@ -403,11 +403,11 @@ def test_a_strided_conv_net_over_image_sizes_compiles_from_one_export(
     as a divisor (ZeroDivisionError), and every new size then exported and compiled on
     its own."""
     import opfuse
-    from opfuse import api
+    from opfuse import compiled
 
     model = _strided_net()
     failed: list[str] = []
-    monkeypatch.setattr(api.log, "debug", lambda msg, *a: failed.append(msg % a))
+    monkeypatch.setattr(compiled.log, "debug", lambda msg, *a: failed.append(msg % a))
     runs = count_compiler_runs(monkeypatch)
     counts = []
     with torch.no_grad():

@@ -402,17 +402,17 @@ def test_a_symbolic_graph_that_fails_to_compile_exports_the_shape_on_its_own(
     shape exports statically and compiles: no warning, no torch.compile fallback."""
     import warnings
 
-    from opfuse import api
+    from opfuse import compiled
     from opfuse.ir.graph import size_symbols
 
-    real = api.compile_graph
+    real = compiled.compile_graph
 
     def refusing(graph: Any, *a: Any, **k: Any) -> Any:
         if size_symbols([graph]):
             raise RuntimeError("no symbolic sizes here")
         return real(graph, *a, **k)
 
-    monkeypatch.setattr(api, "compile_graph", refusing)
+    monkeypatch.setattr(compiled, "compile_graph", refusing)
     torch.manual_seed(0)
     model = _Encoder().eval()
     with torch.no_grad(), warnings.catch_warnings():

@@ -379,7 +379,7 @@ def shape_env_state(mode: Any) -> tuple[int, int, int]:
 def _layout_only(guard: Any) -> bool:
     """Is a guard one a fake kernel took to choose its result's strides (the convolution's
     memory format by the input's size)? Capture computes every value's layout again at
-    each call's sizes (capture._propagate), so such a guard binds nothing."""
+    each call's sizes (convert.propagate), so such a guard binds nothing."""
     frame = getattr(getattr(guard, "sloc", None), "framework_loc", None)
     path = (getattr(frame, "filename", "") or "").replace("\\", "/")
     return path.endswith("torch/_subclasses/fake_impls.py") and getattr(frame, "name", "") == "conv"

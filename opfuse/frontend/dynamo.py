@@ -25,7 +25,7 @@ from ..rewrite.fx_layout import channels_last_convolutions
 from ..runtime.heap import collector_paused
 from ..runtime.sized import check, note, serve, unserved
 from . import sizes
-from .capture import capture_fx
+from .convert import capture_fx
 from .decompose import decompositions, keep_whole
 from .dynamic import has_symbols, install, split_static, static_share, symbols
 from .replay import Facts, learn, twice_differentiable

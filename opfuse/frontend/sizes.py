@@ -1,6 +1,6 @@
 """The symbolic sizes of a graph dynamo hands over, carried into its captured Graph.
 
-A graph with symbolic sizes is captured at the sizes of the call (capture.capture_fx).
+A graph with symbolic sizes is captured at the sizes of the call (convert.capture_fx).
 Each size, stride and size argument that dynamo knows as an expression of its symbols
 (`s0`, `768*s0`) becomes an `ir.size.Size`: the int of this call, which also prints as the
 expression when C is rendered, so every size renders the same kernels (ir/size.py says

@@ -253,7 +253,7 @@ def _note(inputs: Sequence[Any], dims: Sequence[DimSpec], ranges: Any) -> str:
 
 
 def changed_dims(known: Sequence[Any], leaves: Sequence[Any]) -> list[DimSpec] | None:
-    """Per leaf, the dims whose size differs from signature `known` (api._signature) as
+    """Per leaf, the dims whose size differs from signature `known` (structure.signature) as
     `Dim.AUTO` (but dims now 0 or 1); None when the inputs differ in more than tensor sizes,
     or not at all."""
     if len(known) != len(leaves):
