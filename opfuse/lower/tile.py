@@ -33,6 +33,10 @@ def tile_transposes(k: Kernel, accesses: list[tuple[str, Ix]]) -> Kernel:
     if not all(ix.is_affine() for _, ix in accesses):
         return k
     vec = k.outer[-1]
+    if any(is_size(v.extent) for v in k.outer):
+        # symbolic sizes: one untiled source for every size, where the input's size (tiled
+        # from 1 MiB) would decide, and the extents' remainders would differ
+        return k
     sizes = {b.name: b.nbytes for b in k.buffers if b.role == "in"}
     best: tuple[int, Var] | None = None
     for buf, ix in accesses:
@@ -50,8 +54,6 @@ def tile_transposes(k: Kernel, accesses: list[tuple[str, Ix]]) -> Kernel:
         return k
     if not (vec.extent % TILE or row.extent % TILE):
         return _tiled(k, row, vec)
-    if is_size(vec.extent) or is_size(row.extent):
-        return k  # symbolic: one source for every size, whose remainders differ
     # The whole squares tiled, the rows and columns past them as they were (ViT's
     # [197, 768] -> [768, 197] per image: 0.60 -> 0.15 ms at batch 8); cases run in turn.
     rm, vm = row.extent - row.extent % TILE, vec.extent - vec.extent % TILE

@@ -40,9 +40,11 @@ _FINITE_FILL = -1e30  # a finite `where` fill at most this is "minus infinity" f
 # Scores per head from which the fused call is faster than the generated softmax between
 # two GEMMs (GPT-2 block, batch 8, same process: 128 tokens 0%, 256 +3%, 512 +11%, 1024
 # +20%; BERT-base batch 1: 16 tokens -4%, 64 -2%, 128 -4% to 0%, 192 0%, 256 +3%, 512
-# +5%). Below it the scores are small. A length that is symbolic takes the fused call at
-# every length: a few percent at short lengths is cheaper than a compile per side.
+# +5%). Below it the scores are small.
 MIN_SCORES = 256 * 256
+# With the length a symbol, the scores per head up to which the attention is written out
+# (`_fused`): at 512 tokens 5-11% slower than the fused call, at 1024 20%
+MAX_WRITTEN = 512 * 512
 
 
 def run_attention(
@@ -124,12 +126,14 @@ def fuse_attention(graph: Graph) -> tuple[Graph, list[str]]:
             if m is None:
                 continue
             sq, sk = m.q.tensor.shape[-2], m.kt.tensor.shape[-1]
-            if is_size(sq * sk) or sq * sk >= MIN_SCORES:  # (a Size: no decision taken)
+            if _fused(sq * sk):
                 matches[m.out] = m
             else:
+                pays = MAX_WRITTEN + 1 if is_size(sq * sk) else MIN_SCORES
+                varies = " with the length varying" if is_size(sq * sk) else ""
                 notes.append(
                     f"{m.module or n.name}: kept as matmul, softmax, matmul ({sq}x{sk} scores "
-                    f"per head; the fused call pays from {MIN_SCORES} scores)"
+                    f"per head; the fused call pays from {pays} scores{varies})"
                 )
     if not matches:
         return graph, notes
@@ -161,6 +165,17 @@ def fuse_attention(graph: Graph) -> tuple[Graph, list[str]]:
             f"attention call (the {'x'.join(map(str, s))} scores are never stored)"
         )
     return b.build(graph.outputs), notes
+
+
+def _fused(scores: int) -> bool:
+    """Does an attention with these scores per head run as the fused call? With the
+    length a symbol (`scores` a Size), from MAX_WRITTEN on: below it the compile writes
+    the attention out for every length it serves, the short ones (where that is faster)
+    with the longer ones (at most 5-11% slower), instead of a compile per side of
+    MIN_SCORES."""
+    if is_size(scores):
+        return scores > MAX_WRITTEN
+    return scores >= MIN_SCORES
 
 
 def _condition_mask(
