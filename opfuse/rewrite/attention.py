@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..ir.graph import CONSTANT, Graph, GraphBuilder, Node, bind
+from ..ir.graph import CONSTANT, Graph, GraphBuilder, Node, bind, contiguous_strides
 from ..ir.size import is_size
 
 aten = torch.ops.aten
@@ -91,15 +91,10 @@ def _layout(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 def _strides(shape: torch.Size) -> tuple[int, ...]:
     """The strides of `_layout`'s tensor of this shape, without making it."""
-    memory = (shape[0], shape[2], shape[1], shape[3]) if len(shape) == 4 else tuple(shape)
-    strides, step = [], 1
-    for size in reversed(memory):  # as torch strides a contiguous tensor (sizes 0, 1 too)
-        strides.append(step)
-        step *= max(size, 1)
-    strides.reverse()
-    if len(shape) == 4:
-        strides[1], strides[2] = strides[2], strides[1]
-    return tuple(strides)
+    if len(shape) != 4:
+        return contiguous_strides(shape)
+    b, s, h, d = contiguous_strides((shape[0], shape[2], shape[1], shape[3]))  # [B, S, H, D]
+    return (b, h, s, d)
 
 
 @dataclass
