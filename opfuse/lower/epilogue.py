@@ -26,7 +26,7 @@ from ..ir.graph import CONSTANT, GETITEM, INPUT, STATIC, Graph, Node, bind
 from ..ir.index import Ix, Var, address
 from ..ir.ops import VIEW_OPS
 from ..ir.scalar import walk
-from ..ir.size import Decisions, at_least, deciding, either, is_size
+from ..ir.size import Decisions, at_least, deciding, either, gcd, is_size
 from ..ir.uses import used_outside
 from ..tools.caches import l1_bytes, l2_bytes
 from .kernel import Kernel, map_indices
@@ -202,9 +202,12 @@ class GemmKernel:
 def tile_slots(n_tiles: int, threads: int) -> int:
     """Tile slots in a tiled kernel's scratch, one per thread that may run (the kernel runs
     on no more): a slot for every thread this machine has, in case the caller raises the
-    thread count after compiling, and never more slots than tiles. (The constant first:
-    where the two are equal, min returns it, and a symbolic tile count prints the same.)"""
-    return min(max(threads, os.cpu_count() or 1), n_tiles)
+    thread count after compiling, and never more slots than tiles: a symbolic tile count
+    as an expression, the fewer of the two as the kernel runs (no tile count decides)."""
+    most = max(threads, os.cpu_count() or 1)
+    if is_size(n_tiles):
+        return either(at_least(n_tiles, most), most, n_tiles)
+    return min(most, n_tiles)
 
 
 def whole_rounds(m: int, tm: int, n_cols: int, threads: int) -> int:
@@ -250,6 +253,8 @@ def tiles(spec: GemmSpec, threads: int, epilogue: bool = True, panel: int = 64) 
     m, n = spec.m, spec.n
     if spec.batch >= threads:
         return m, n
+    if is_size(m) and not is_size(spec.batch):
+        return _tiles_any_rows(spec, threads, epilogue, panel)
     split_rows = m >= 128 * threads
     if split_rows:
         tm, tn = -(-m // threads), n
@@ -276,6 +281,23 @@ def tiles(spec: GemmSpec, threads: int, epilogue: bool = True, panel: int = 64) 
             tm = _round_up(-(-tm // pieces), 16)
     tm = whole_rounds(m, tm, -(-n // tn), threads)
     return min(tm, m), min(tn, n)
+
+
+def _tiles_any_rows(spec: GemmSpec, threads: int, epilogue: bool, panel: int) -> tuple[int, int]:
+    """`tiles` at a symbolic row count m, as expressions the kernel computes when it runs,
+    so that no row count decides: MKL's packed weight is packed per column tile, so the
+    columns split one way for every m, as `tiles` splits them for few rows; the rows then
+    in the fewest tiles that fit in cache and come in whole rounds of the threads."""
+    m, n = spec.m, spec.n
+    tn = _round_up(-(-n // threads), panel)
+    while epilogue and (128 * threads - 1) * tn > TILE_MAX_ELEMENTS and tn > 512:
+        tn = _round_up(tn // 2, 64)  # the widest tile `tiles` gives below 128 rows a thread
+    n_cols = -(-n // tn)
+    rounds = threads // gcd(threads, n_cols)  # row tiles to a round of the threads
+    if not epilogue:  # the tiles are computed in the output: one round of the threads
+        return -(-m // rounds), tn
+    fit = max(128, TILE_MAX_ELEMENTS // tn // 16 * 16)
+    return _round_up(even_tiles(m, fit, rounds), 16), tn
 
 
 def own_tiles(spec: GemmSpec, threads: int, epilogue: bool = True) -> tuple[int, int]:

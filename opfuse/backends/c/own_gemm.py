@@ -395,12 +395,14 @@ GEMM_RANGES = "#define OPFUSE_GEMM_RANGES\n"
 
 def gemm_ranges(k: GemmKernel) -> bool:
     """May a tile of k have fewer than OPFUSE_PF_MIN strips over a K longer than
-    OPFUSE_KC (then its module compiles opfuse_gemm_ranges_2)? Rows that are sizes
-    (symbolic) may be any number."""
+    OPFUSE_KC (then its module compiles opfuse_gemm_ranges_2)? Rows and a K that are
+    sizes (symbolic) may be any number: compiled in, no K decides (the kernel tests it)."""
     spec = k.spec
-    if not k.own or spec.k <= OWN_KC:
+    if not k.own:
         return False
-    if is_size(spec.m) or is_size(k.tile_m):
+    if is_size(spec.k) or is_size(spec.m) or is_size(k.tile_m):
         return True
+    if spec.k <= OWN_KC:
+        return False
     last = spec.m % k.tile_m or k.tile_m  # the rows of the last row tile
     return last < OWN_PF_MIN * OWN_MR
