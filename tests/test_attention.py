@@ -13,13 +13,8 @@ import torch.nn as nn
 import opfuse
 from opfuse.bench.models import GPT2Block
 from opfuse.frontend import dynamo
-from opfuse.rewrite.attention import (
-    MAX_WRITTEN,
-    MIN_SCORES,
-    _layout,
-    _strides,
-    run_attention,
-)
+from opfuse.ir.attention import layout, run_attention, strides
+from opfuse.rewrite.attention import MAX_WRITTEN, MIN_SCORES
 from opfuse.runtime.execute import TorchStep
 from tests.conftest import Fn, assert_matches_eager
 
@@ -224,4 +219,4 @@ def test_transformer_block_never_stores_the_scores() -> None:
 @pytest.mark.parametrize("shape", [(2, 3, 5, 7), (1, 12, 1, 64), (2, 0, 3, 4), (3, 5, 7)])
 def test_the_layout_strides_are_those_of_the_layout_made(shape: tuple[int, ...]) -> None:
     q = torch.empty(shape)
-    assert _strides(torch.Size(shape)) == _layout(q, q).stride()
+    assert strides(torch.Size(shape)) == layout(q, q).stride()

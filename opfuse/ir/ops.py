@@ -768,7 +768,8 @@ OPS: dict[str, OpInfo] = {
 VIEW_OPS = frozenset(k for k, v in OPS.items() if v.kind == Kind.INJECTIVE and not v.copies)
 
 
-# The fused attention call rewrite/attention.py makes: a library call of its own pattern.
+# The fused attention call rewrite/attention.py makes (the op: ir/attention.py): a library
+# call of its own pattern.
 ATTENTION = "opfuse.attention.default"
 # rewrite/random.py's per-call seed: a torch call the kernels computing opfuse.rand read.
 SEED = "opfuse.seed.default"

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..fusion.groups import Partition
+from ..ir.attention import run_attention
 from ..ir.graph import CONSTANT, GETITEM, INPUT, Graph, Node, TensorMeta, map_args
 from ..ir.ops import ATTENTION, info
 from ..ir.size import undecided
@@ -21,7 +22,6 @@ from ..lower.depthwise import DepthwiseKernel
 from ..lower.dw_gemm import DwGemmKernel
 from ..lower.epilogue import GemmKernel
 from ..lower.kernel import Kernel
-from ..rewrite.attention import run_attention
 from .execute import (
     Const,
     In,
@@ -152,7 +152,7 @@ IN_PLACE = {
 
 
 # opfuse's own ops whose body a torch step calls directly: the dispatcher's way to a Python
-# custom op costs more than a short attention computes (rewrite/attention.run_attention).
+# custom op costs more than a short attention computes (ir/attention.run_attention).
 DIRECT: dict[str, Callable[..., Any]] = {ATTENTION: run_attention}
 
 
