@@ -266,11 +266,9 @@ def tiles(spec: GemmSpec, threads: int, epilogue: bool = True, panel: int = 64) 
         # fit, in 16s, as one expression of m (halving the columns as m grows, as below,
         # made a new source at every doubling of m). BERT-base at 384 and 512 tokens, all
         # its GEMMs tiled this way: 1.002x and 1.006x the time of the columns halved.
-        fit = max(128, TILE_MAX_ELEMENTS // tn // 16 * 16)
-        return min(_round_up(even_tiles(m, fit, threads), 16), m), tn
+        return min(_fitting_rows(m, tn, threads), m), tn
     if epilogue:
-        while tm * tn > TILE_MAX_ELEMENTS and tn > 512:
-            tn = _round_up(tn // 2, 64)
+        tn = _narrowed(tn, tm)
         if tm * tn > TILE_MAX_ELEMENTS and tm > 128:
             # the fewest equal pieces of at most 3/4 of the cap (what halving until it
             # fit gave on average), as one expression of m: with symbolic sizes
@@ -290,14 +288,13 @@ def _tiles_any_rows(spec: GemmSpec, threads: int, epilogue: bool, panel: int) ->
     in the fewest tiles that fit in cache and come in whole rounds of the threads."""
     m, n = spec.m, spec.n
     tn = _round_up(-(-n // threads), panel)
-    while epilogue and (128 * threads - 1) * tn > TILE_MAX_ELEMENTS and tn > 512:
-        tn = _round_up(tn // 2, 64)  # the widest tile `tiles` gives below 128 rows a thread
+    if epilogue:  # the widest tile `tiles` gives below 128 rows a thread
+        tn = _narrowed(tn, 128 * threads - 1)
     n_cols = -(-n // tn)
     rounds = threads // gcd(threads, n_cols)  # row tiles to a round of the threads
     if not epilogue:  # the tiles are computed in the output: one round of the threads
         return -(-m // rounds), tn
-    fit = max(128, TILE_MAX_ELEMENTS // tn // 16 * 16)
-    return _round_up(even_tiles(m, fit, rounds), 16), tn
+    return _fitting_rows(m, tn, rounds), tn
 
 
 def own_tiles(spec: GemmSpec, threads: int, epilogue: bool = True) -> tuple[int, int]:
@@ -338,17 +335,14 @@ def _own_tiles_any_rows(spec: GemmSpec, threads: int, epilogue: bool) -> tuple[i
     bound = 128 * threads
     full = n  # the rows split's columns: all, or (a vocabulary) blocks of them that fit
     if epilogue:  # whole rounds of at most the rows whose tile fits in cache, in 16s
-        while 128 * full > TILE_MAX_ELEMENTS and full > 512:
-            full = _round_up(full // 2, 64)
-        fit = max(128, TILE_MAX_ELEMENTS // full // 16 * 16)
-        tall = _round_up(even_tiles(m, fit, threads), 16)
+        full = _narrowed(full, 128)
+        tall = _fitting_rows(m, full, threads)
     else:
         tall = -(-m // threads)
     tn = _round_up(-(-n // threads), OWN_PANEL)
     wide = m
     if epilogue:
-        while (bound - 1) * tn > TILE_MAX_ELEMENTS and tn > 512:
-            tn = _round_up(tn // 2, 64)
+        tn = _narrowed(tn, bound - 1)
         if (bound - 1) * tn > TILE_MAX_ELEMENTS:  # (many threads) rows in pieces that fit
             fit = max(128, TILE_MAX_ELEMENTS * 3 // 4 // tn // 16 * 16)
             wide = _round_up(-(-m // (m // fit + 1)), 16)
@@ -364,6 +358,21 @@ def _own_tiles_any_rows(spec: GemmSpec, threads: int, epilogue: bool) -> tuple[i
         low_m, low_n = either(few, -(-m // threads), wide), either(few, n, tn)
     high = at_least(m, bound)
     return either(high, tall, low_m), either(high, full, low_n)
+
+
+def _narrowed(tn: int, rows: int) -> int:
+    """The columns of a tile `rows` tall, halved (in 64s, down to 512) while the tile
+    would not fit the cache cap."""
+    while rows * tn > TILE_MAX_ELEMENTS and tn > 512:
+        tn = _round_up(tn // 2, 64)
+    return tn
+
+
+def _fitting_rows(m: int, tn: int, rounds: int) -> int:
+    """Rows per tile of `tn` columns: the fewest tiles of at most the rows that fit the
+    cache cap (at least 128), in whole rounds of `rounds`, in 16s, as one expression of m."""
+    fit = max(128, TILE_MAX_ELEMENTS // tn // 16 * 16)
+    return _round_up(even_tiles(m, fit, rounds), 16)
 
 
 def _round_up(x: int, k: int) -> int:
