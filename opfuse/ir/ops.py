@@ -1,9 +1,11 @@
 """The op table: one row per ATen op opfuse understands.
 
 A row says what kind of op it is (the ordered `Kind`, TVM style: fusion rules compare kinds)
-and, for pointwise ops, its scalar formula in terms of the primitives of `scalar.py`;
-for views, how an index into the output maps to an index into the input; for reductions,
-what they accumulate. Ops missing from the table are OPAQUE: they run with torch.
+and, for pointwise ops, its scalar formula in terms of the primitives of `scalar.py` (the
+longer ones in `formulas.py`); for views, how an index into the output maps to an index
+into the input, and for gathers which input each output element comes from
+(`indexmaps.py`); for reductions, what they accumulate. Ops missing from the table are
+OPAQUE: they run with torch.
 
 Formulas take the op's schema arguments by name. Tensor arguments arrive as scalar `Expr`s
 already cast to the op's compute dtype (unless listed in `keep`); other arguments arrive as
@@ -12,18 +14,64 @@ the Python values the graph holds.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
 
-import torch
-
 from .combine import Combine
+from .formulas import (
+    add_alpha,
+    arange,
+    clamp,
+    counter_rand,
+    div_mode,
+    elu,
+    elu_backward,
+    eq,
+    exp,
+    gelu,
+    gelu_backward,
+    lerp,
+    maximum,
+    minimum,
+    nan_to_num,
+    pow_scalar,
+    softplus,
+    sub_alpha,
+    tanh,
+    truthy,
+)
 from .graph import Node, bind
-from .index import Ix, Var, delinearize, linearize
-from .scalar import Expr, call, cast, const, fma, position, where
+from .index import Ix, Var
+from .indexmaps import (
+    fw_identity,
+    fw_permute,
+    fw_reshape,
+    fw_t,
+    fw_transpose,
+    gather_cat,
+    gather_pad,
+    gather_slice_scatter,
+    ix_as_strided,
+    ix_expand,
+    ix_flip,
+    ix_identity,
+    ix_permute,
+    ix_repeat,
+    ix_roll,
+    ix_select,
+    ix_slice,
+    ix_squeeze,
+    ix_t,
+    ix_transpose,
+    ix_unfold,
+    ix_unsqueeze,
+    ix_upsample_nearest,
+    ix_view,
+    norm_dim,
+)
+from .scalar import Expr, call, cast, where
 
 
 class Kind(IntEnum):
@@ -69,467 +117,6 @@ class OpInfo:
         return self.kind <= Kind.BROADCAST
 
 
-# -- scalar helpers used by formulas -----------------------------------------
-def exp(x: Expr) -> Expr:
-    return call("exp", x)
-
-
-def tanh(x: Expr) -> Expr:
-    return call("tanh", x)
-
-
-def maximum(a: Any, b: Any) -> Expr:
-    return call("max", a, b)
-
-
-def minimum(a: Any, b: Any) -> Expr:
-    return call("min", a, b)
-
-
-def clamp(x: Expr, lo: Any = None, hi: Any = None) -> Expr:
-    # torch applies min last: clamp(x, 3, 1) is 1; NaN propagates through both.
-    if lo is not None:
-        x = maximum(x, lo)
-    if hi is not None:
-        x = minimum(x, hi)
-    return x
-
-
-def eq(a: Any, b: Any) -> Expr:
-    return call("eq", a, b)
-
-
-def ne(a: Any, b: Any) -> Expr:
-    return call("ne", a, b)
-
-
-def truthy(x: Expr) -> Expr:
-    return x if x.dtype == torch.bool else ne(x, 0)
-
-
-SQRT1_2 = math.sqrt(0.5)
-GELU_TANH_BETA = math.sqrt(2.0) * (2.0 / math.sqrt(math.pi)) * 0.5
-GELU_KAPPA = 0.044715
-GELU_PDF = (2.0 / math.sqrt(math.pi)) * SQRT1_2 * 0.5
-
-
-def gelu(self: Expr, approximate: str = "none") -> Expr:
-    x = self
-    if approximate == "tanh":
-        return 0.5 * x * (1 + tanh(GELU_TANH_BETA * (x + GELU_KAPPA * (x * x * x))))
-    return x * 0.5 * (1 + call("erf", x * SQRT1_2))
-
-
-def gelu_backward(grad_output: Expr, self: Expr, approximate: str = "none") -> Expr:
-    x = self
-    if approximate == "tanh":
-        x_sq = x * x
-        inner = GELU_TANH_BETA * (x + GELU_KAPPA * x_sq * x)
-        t = tanh(inner)
-        left = 0.5 * x
-        right = 1 + t
-        left_d = 0.5 * right
-        right_d = left * (1 - t * t) * GELU_TANH_BETA * (1 + 3 * GELU_KAPPA * x_sq)
-        return grad_output * (left_d + right_d)
-    cdf = 0.5 * (1 + call("erf", x * SQRT1_2))
-    pdf = exp(-0.5 * x * x) * GELU_PDF
-    return grad_output * (cdf + x * pdf)
-
-
-def pow_scalar(self: Expr, exponent: float) -> Expr:
-    # torch special-cases these exponents; matching it keeps results bit-identical.
-    if exponent == 2:
-        return self * self
-    if exponent == 3:
-        return self * self * self
-    if exponent == 1:
-        return self
-    if exponent == 0:
-        return const(1, self.dtype)
-    if self.dtype.is_floating_point:
-        if exponent == 0.5:
-            return call("sqrt", self)
-        if exponent == -0.5:
-            return call("rsqrt", self)
-        if exponent == -1:
-            return call("reciprocal", self)
-        if exponent == -2:
-            return call("reciprocal", self * self)
-    return call("pow", self, exponent)
-
-
-def softplus(self: Expr, beta: float = 1, threshold: float = 20) -> Expr:
-    z = self * beta
-    return where(z > threshold, self, call("log1p", exp(z)) / beta)
-
-
-def div_mode(self: Expr, other: Any, rounding_mode: str | None = None) -> Expr:
-    if rounding_mode == "trunc":
-        return call("truncdiv", self, other)
-    if rounding_mode == "floor":
-        return call("floordiv", self, other)
-    return self / other
-
-
-def lerp(self: Expr, end: Any, weight: Any) -> Expr:
-    # torch's two-sided form keeps lerp(a, b, 1) == b exactly, and its vector kernel rounds
-    # each side once: fma(w, end - self, self) or fma(w - 1, end - self, end)
-    small = call("abs", weight) < 0.5 if isinstance(weight, Expr) else abs(weight) < 0.5
-    diff = end - self
-    return where(small, fma(weight, diff, self), fma(weight - 1, diff, end))
-
-
-def nan_to_num(self: Expr, nan: Any = None, posinf: Any = None, neginf: Any = None) -> Expr:
-    if not self.dtype.is_floating_point:
-        return self
-    info = torch.finfo(self.dtype)
-    x = where(eq(self, math.inf), info.max if posinf is None else posinf, self)
-    x = where(eq(self, -math.inf), info.min if neginf is None else neginf, x)
-    return where(call("isnan", self), 0.0 if nan is None else nan, x)
-
-
-def elu(self: Expr, alpha: float = 1, scale: float = 1, input_scale: float = 1) -> Expr:
-    return where(self <= 0, call("expm1", self * input_scale) * (alpha * scale), self * scale)
-
-
-def elu_backward(
-    grad_output: Expr,
-    alpha: float,
-    scale: float,
-    input_scale: float,
-    is_result: bool,
-    self_or_result: Expr,
-) -> Expr:
-    x = self_or_result
-    negcoef = alpha * scale
-    if is_result:
-        neg = grad_output * input_scale * (x + negcoef)
-    else:
-        neg = grad_output * input_scale * negcoef * exp(x * input_scale)
-    # NaN takes the negative side, whose formula keeps it (eager's NaN, not grad * scale)
-    return where(x > 0, grad_output * scale, neg)
-
-
-def arange(start: Any, end: Any, step: Any = 1, *, _index: Any, **_: Any) -> Expr:
-    pos = position(_index[0])
-    return start + pos * step if step != 1 else start + pos
-
-
-# Significand bits of each float dtype: uniform numbers with that many random bits convert
-# to it exactly (rewrite/random.py computes the same in torch).
-RANDOM_BITS = {torch.float64: 53, torch.float32: 24, torch.float16: 11, torch.bfloat16: 8}
-
-
-def counter_rand(
-    seed: Expr, size: Sequence[int], dtype: torch.dtype, offset: int, *, _index: Any
-) -> Expr:
-    """Element i of opfuse.rand: SplitMix64 of (seed, offset + i), its top bits scaled to
-    [0, 1)."""
-    z = call("mix64", seed, position(linearize(_index, size) + offset))
-    bits = RANDOM_BITS[dtype]
-    u = call("and", call("shr", z, 64 - bits), (1 << bits) - 1)
-    return cast(u, torch.float64 if dtype == torch.float64 else torch.float32) * 2.0**-bits
-
-
-def _sub(self: Any, other: Any, alpha: Any = 1) -> Expr:
-    return _add(self, other, -alpha) if alpha != 1 else self - other
-
-
-def _add(self: Any, other: Any, alpha: Any = 1) -> Expr:
-    if alpha == 1:
-        return self + other
-    # torch's kernels round self + alpha * other once (a fused multiply-add)
-    return fma(other, alpha, self)
-
-
-# -- index maps of views: output multi-index -> input multi-index -------------
-def _shape(x: Any) -> tuple[int, ...]:
-    return x.meta.shape
-
-
-def _norm_dim(d: int, n: int) -> int:
-    return d + n if d < 0 else d
-
-
-def ix_permute(out: Sequence[Ix], self: Any, dims: Sequence[int]) -> tuple[Ix, ...]:
-    n = len(dims)
-    inp = [Ix()] * n
-    for k, d in enumerate(dims):
-        inp[_norm_dim(d, n)] = out[k]
-    return tuple(inp)
-
-
-def ix_transpose(out: Sequence[Ix], self: Any, dim0: int, dim1: int) -> tuple[Ix, ...]:
-    n = len(out)
-    a, b = _norm_dim(dim0, n), _norm_dim(dim1, n)
-    inp = list(out)
-    inp[a], inp[b] = out[b], out[a]
-    return tuple(inp)
-
-
-def ix_t(out: Sequence[Ix], self: Any) -> tuple[Ix, ...]:
-    return tuple(reversed(out)) if len(out) == 2 else tuple(out)
-
-
-def ix_expand(
-    out: Sequence[Ix], self: Any, size: Sequence[int], implicit: bool = False
-) -> tuple[Ix, ...]:
-    shape = _shape(self)
-    lead = len(out) - len(shape)
-    return tuple(Ix() if shape[d] == 1 else out[d + lead] for d in range(len(shape)))
-
-
-def ix_unsqueeze(out: Sequence[Ix], self: Any, dim: int) -> tuple[Ix, ...]:
-    d = _norm_dim(dim, len(out))
-    return tuple(out[:d]) + tuple(out[d + 1 :])
-
-
-def ix_squeeze(out: Sequence[Ix], self: Any, dim: Any = None) -> tuple[Ix, ...]:
-    shape = _shape(self)
-    if dim is None:
-        dims = {d for d, s in enumerate(shape) if s == 1}
-    else:
-        ds = dim if isinstance(dim, (list, tuple)) else [dim]
-        dims = {_norm_dim(d, len(shape)) for d in ds if shape[_norm_dim(d, len(shape))] == 1}
-    it = iter(out)
-    return tuple(Ix() if d in dims else next(it) for d in range(len(shape)))
-
-
-def ix_slice(
-    out: Sequence[Ix], self: Any, dim: int = 0, start: Any = None, end: Any = None, step: int = 1
-) -> tuple[Ix, ...]:
-    shape = _shape(self)
-    d = _norm_dim(dim, len(shape))
-    begin = 0 if start is None else start
-    if begin < 0:
-        begin += shape[d]
-    begin = min(max(begin, 0), shape[d])
-    inp = list(out)
-    inp[d] = out[d] * step + begin
-    return tuple(inp)
-
-
-def ix_select(out: Sequence[Ix], self: Any, dim: int, index: int) -> tuple[Ix, ...]:
-    shape = _shape(self)
-    d = _norm_dim(dim, len(shape))
-    i = index + shape[d] if index < 0 else index
-    return (*out[:d], Ix.of(i), *out[d:])
-
-
-def ix_view(out: Sequence[Ix], self: Any, size: Sequence[int]) -> tuple[Ix, ...]:
-    out_shape = [s for s in size]
-    if -1 in out_shape:
-        known = math.prod(s for s in out_shape if s != -1)
-        out_shape[out_shape.index(-1)] = math.prod(_shape(self)) // max(known, 1)
-    return delinearize(linearize(out, out_shape), _shape(self))
-
-
-def ix_as_strided(
-    out: Sequence[Ix],
-    self: Any,
-    size: Sequence[int],
-    stride: Sequence[int],
-    storage_offset: Any = None,
-) -> tuple[Ix, ...]:
-    """as_strided addresses storage; on a row-major (contiguous) input that storage order
-    is its logical order, so the element offset delinearises into an input index."""
-    m = self.meta
-    if not m.is_contiguous():
-        raise ValueError("as_strided of a non-contiguous value")
-    flat = Ix.of((storage_offset if storage_offset is not None else m.offset) - m.offset)
-    for i, st in zip(out, stride):
-        flat = flat + i * st
-    return delinearize(flat, m.shape)
-
-
-def ix_unfold(out: Sequence[Ix], self: Any, dimension: int, size: int, step: int) -> tuple[Ix, ...]:
-    """Tensor.unfold: windows of `size` every `step` along `dimension`, the position inside
-    the window a new last dimension (pooling's windows)."""
-    if not _shape(self):
-        return ()  # a 0-d tensor unfolds into its one element
-    d = _norm_dim(dimension, len(_shape(self)))
-    inp = list(out[:-1])
-    inp[d] = out[d] * step + out[-1]
-    return tuple(inp)
-
-
-def ix_identity(out: Sequence[Ix], self: Any, *args: Any, **kwargs: Any) -> tuple[Ix, ...]:
-    return tuple(out)
-
-
-# -- where a view that is a bijection puts each element: input index -> output index -----
-def fw_reshape(
-    inp: Sequence[Ix], out_shape: Sequence[int], self: Any, *args: Any, **kwargs: Any
-) -> tuple[Ix, ...]:
-    """view, reshape, squeeze, unsqueeze: the same row-major order in another shape."""
-    return delinearize(linearize(inp, _shape(self)), out_shape)
-
-
-def fw_permute(
-    inp: Sequence[Ix], out_shape: Sequence[int], self: Any, dims: Sequence[int]
-) -> tuple[Ix, ...]:
-    return tuple(inp[_norm_dim(d, len(dims))] for d in dims)
-
-
-def fw_transpose(
-    inp: Sequence[Ix], out_shape: Sequence[int], self: Any, dim0: int, dim1: int
-) -> tuple[Ix, ...]:
-    return ix_transpose(inp, self, dim0, dim1)  # a swap undoes itself
-
-
-def fw_t(inp: Sequence[Ix], out_shape: Sequence[int], self: Any) -> tuple[Ix, ...]:
-    return ix_t(inp, self)
-
-
-def fw_identity(
-    inp: Sequence[Ix], out_shape: Sequence[int], self: Any, *args: Any, **kwargs: Any
-) -> tuple[Ix, ...]:
-    return tuple(inp)
-
-
-def ix_flip(out: Sequence[Ix], self: Any, dims: Sequence[int]) -> tuple[Ix, ...]:
-    shape = _shape(self)
-    flipped = {_norm_dim(d, len(shape)) for d in dims}
-    return tuple(shape[d] - 1 - i if d in flipped else i for d, i in enumerate(out))
-
-
-def ix_repeat(out: Sequence[Ix], self: Any, repeats: Sequence[int]) -> tuple[Ix, ...]:
-    shape = _shape(self)
-    lead = len(out) - len(shape)
-    return tuple(Ix() if s == 1 else out[d + lead] % s for d, s in enumerate(shape))
-
-
-def ix_roll(
-    out: Sequence[Ix], self: Any, shifts: Sequence[int], dims: Sequence[int] = ()
-) -> tuple[Ix, ...]:
-    shape = _shape(self)
-    if not dims:  # the flattened tensor rolls
-        n = math.prod(shape)
-        flat = (linearize(out, shape) + (n - shifts[0] % n)) % n if n else Ix()
-        return delinearize(flat, shape)
-    idx = list(out)
-    for s, d in zip(shifts, dims):
-        d = _norm_dim(d, len(shape))
-        idx[d] = (idx[d] + (shape[d] - s % shape[d])) % shape[d] if shape[d] else idx[d]
-    return tuple(idx)
-
-
-def ix_upsample_nearest(
-    out: Sequence[Ix],
-    self: Any,
-    output_size: Sequence[int],
-    scales_h: float | None = None,
-    scales_w: float | None = None,
-) -> tuple[Ix, ...]:
-    """Nearest upsampling by a power of two k: input row dst // k. torch computes
-    floor(dst * (1/k)) in float, exactly that when 1/k is a power of two; other sizes raise
-    ValueError (torch's kernel computes them, and the reading kernel loads its result)."""
-    shape = _shape(self)
-    idx = list(out)
-    for j, (size, scale) in enumerate(zip(output_size, (scales_h, scales_w))):
-        d = len(shape) - 2 + j
-        k, rest = divmod(size, shape[d])
-        if rest or k & (k - 1) or (scale is not None and scale != k):
-            raise ValueError(f"nearest upsampling {shape[d]} -> {size} is not by a power of two")
-        idx[d] = out[d] // k
-    return tuple(idx)
-
-
-# -- gathers: each output element is one element of one of the inputs, or a constant --------
-Read = Callable[[Any, tuple[Ix, ...]], Expr]
-
-
-def _wrapped(i: Ix, start: int, size: int) -> Ix:
-    """i - start where that lies in [0, size); elsewhere the nearest index inside, so the
-    element a `where` discards is read from memory the tensor owns, and from a row that
-    stays in cache (C evaluates both sides of the `where`)."""
-    return (i - start).clamp(size - 1)
-
-
-def gather_cat(read: Read, out: tuple[Ix, ...], tensors: Sequence[Any], dim: int = 0) -> Expr:
-    # torch skips legacy empty 1-D inputs ([0]) whatever the rank of the others
-    parts = [t for t in tensors if t.meta.numel > 0]
-    d = _norm_dim(dim, len(out))
-    pos = position(out[d])
-    result: Expr | None = None
-    starts = [0]
-    for t in parts[:-1]:
-        starts.append(starts[-1] + t.meta.shape[d])
-    for t, start in reversed(list(zip(parts, starts))):
-        size = t.meta.shape[d]
-        v = read(t, (*out[:d], _wrapped(out[d], start, size), *out[d + 1 :]))
-        result = v if result is None else where(pos < start + size, v, result)
-    assert result is not None, "cat of empty tensors only"
-    return result
-
-
-def gather_pad(
-    read: Read, out: tuple[Ix, ...], self: Any, pad: Sequence[int], value: Any = 0
-) -> Expr:
-    shape = _shape(self)
-    fill = const(value, self.meta.dtype)
-    if self.meta.numel == 0:
-        return fill
-    idx = list(out)
-    tests: list[Expr] = []
-    for j in range(len(pad) // 2):
-        d = len(shape) - 1 - j
-        lo, hi = pad[2 * j], pad[2 * j + 1]
-        idx[d] = _wrapped(out[d], lo, shape[d])
-        tests += [position(out[d]) >= lo] if lo > 0 else []
-        tests += [position(out[d]) < lo + shape[d]] if hi > 0 else []
-    v = read(self, tuple(idx))
-    return v if not tests else where(_all(tests), v, fill)
-
-
-def _all(tests: Sequence[Expr]) -> Expr:
-    """The conjunction of position tests (at least one)."""
-    inside = tests[0]
-    for t in tests[1:]:
-        inside = call("and", inside, t)
-    return inside
-
-
-def slice_bounds(start: int | None, end: int | None, size: int) -> tuple[int, int]:
-    """[start, end) of a slice of `size` elements, as torch clamps it."""
-    lo = 0 if start is None else start + size if start < 0 else start
-    hi = size if end is None else end + size if end < 0 else end
-    lo = min(max(lo, 0), size)
-    return lo, min(max(hi, lo), size)
-
-
-def gather_slice_scatter(
-    read: Read,
-    out: tuple[Ix, ...],
-    self: Any,
-    src: Any,
-    dim: int = 0,
-    start: int | None = None,
-    end: int | None = None,
-    step: int = 1,
-) -> Expr:
-    """`self` with slice [start:end:step] of `dim` replaced by `src`: what an in-place write
-    to a slice becomes once functionalised, and the gradient of a slice (into zeros)."""
-    d = _norm_dim(dim, len(out))
-    lo, hi = slice_bounds(start, end, _shape(self)[d])
-    n = _shape(src)[d]
-    if n == 0:
-        return read(self, out)
-    i = out[d]
-    pos = position(i)
-    tests = ([pos >= lo] if lo > 0 else []) + ([pos < hi] if hi < _shape(self)[d] else [])
-    if step == 1:
-        at = _wrapped(i, lo, n)
-    else:
-        # i - lo, shifted by whole steps to stay >= 0 (C's / and % truncate negatives)
-        k = -(-lo // step)
-        shifted = i + (k * step - lo)
-        tests.append(call("eq", position(shifted % step), 0))
-        at = (shifted // step - k).clamp(n - 1)
-    v = read(src, (*out[:d], at, *out[d + 1 :]))
-    return v if not tests else where(_all(tests), v, read(self, out))
-
-
 # -- the table -----------------------------------------------------------------
 E = Kind.ELEMENTWISE  # BROADCAST is decided per node, from shapes (fusion/classify.py)
 
@@ -566,12 +153,12 @@ ANCHOR = OpInfo(Kind.ANCHOR)
 # fmt: off
 OPS: dict[str, OpInfo] = {
     # arithmetic
-    "aten.add.Tensor": pw(_add),
-    "aten.add.Scalar": pw(_add),
-    "aten.sub.Tensor": pw(_sub),
-    "aten.sub.Scalar": pw(_sub),
-    "aten.rsub.Scalar": pw(lambda self, other, alpha=1: _sub(other, self, alpha)),
-    "aten.rsub.Tensor": pw(lambda self, other, alpha=1: _sub(other, self, alpha)),
+    "aten.add.Tensor": pw(add_alpha),
+    "aten.add.Scalar": pw(add_alpha),
+    "aten.sub.Tensor": pw(sub_alpha),
+    "aten.sub.Scalar": pw(sub_alpha),
+    "aten.rsub.Scalar": pw(lambda self, other, alpha=1: sub_alpha(other, self, alpha)),
+    "aten.rsub.Tensor": pw(lambda self, other, alpha=1: sub_alpha(other, self, alpha)),
     "aten.mul.Tensor": pw(lambda self, other: self * other),
     "aten.mul.Scalar": pw(lambda self, other: self * other),
     "aten.div.Tensor": pw(lambda self, other: self / other),
@@ -800,7 +387,7 @@ def _loads(n: Any) -> int | None:
     if not inner:
         along: set[int] = set()
     elif n.op in ("aten.cat.default", "aten.slice_scatter.default"):
-        along = {_norm_dim(bind(n).get("dim", 0), len(m.shape))}
+        along = {norm_dim(bind(n).get("dim", 0), len(m.shape))}
     else:
         along = {len(m.shape) - 1 - j // 2 for j, p in enumerate(bind(n)["pad"]) if p != 0}
     loads = []

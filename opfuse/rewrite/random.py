@@ -16,8 +16,8 @@ import math
 
 import torch
 
+from ..ir.formulas import RANDOM_BITS
 from ..ir.graph import Graph, GraphBuilder, Node, TensorMeta
-from ..ir.ops import RANDOM_BITS
 
 RANDOM_OPS = ("aten.rand_like.default", "aten.rand.default")
 # Ops that save or replay the generator's state (activation checkpointing under
