@@ -628,7 +628,7 @@ def test_gemm_tiles_fit_in_cache_keep_rows_tall_and_come_in_whole_rounds(
 ) -> None:
     from types import SimpleNamespace
 
-    from opfuse.lower.epilogue import TILE_MAX_ELEMENTS, tiles
+    from opfuse.lower.gemm_tiles import TILE_MAX_ELEMENTS, tiles
 
     tm, tn = tiles(SimpleNamespace(m=m, n=n, batch=1), threads)  # type: ignore[arg-type]
     count = -(-m // tm) * -(-n // tn)
@@ -675,15 +675,15 @@ def test_opfuse_gemm_splits_rows_where_a_short_matrix_would_reread_its_input(
 ) -> None:
     from types import SimpleNamespace
 
-    from opfuse.lower import epilogue
+    from opfuse.lower import gemm_tiles
 
-    monkeypatch.setattr(epilogue, "l1_bytes", lambda: 48 << 10)
-    monkeypatch.setattr(epilogue, "l2_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(gemm_tiles, "l1_bytes", lambda: 48 << 10)
+    monkeypatch.setattr(gemm_tiles, "l2_bytes", lambda: 1 << 20)
     spec = SimpleNamespace(m=m, k=k, n=n, batch=1, packable=True)
-    assert epilogue.own_tiles(spec, 2) == tile  # type: ignore[arg-type]
+    assert gemm_tiles.own_tiles(spec, 2) == tile  # type: ignore[arg-type]
     # a B the kernel packs (attention's), each thread would pack whole: columns
     spec = SimpleNamespace(m=m, k=k, n=n, batch=1, packable=False)
-    assert epilogue.own_tiles(spec, 2) == epilogue.tiles(spec, 2, panel=32)  # type: ignore[arg-type]
+    assert gemm_tiles.own_tiles(spec, 2) == gemm_tiles.tiles(spec, 2, panel=32)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("threads", [2, 8])
@@ -696,17 +696,17 @@ def test_opfuse_gemm_tiles_at_a_symbolic_row_count_are_one_expression_of_it(
     split from 128 rows per thread, in tiles that fit."""
     from types import SimpleNamespace
 
-    from opfuse.lower import epilogue
+    from opfuse.lower import gemm_tiles
 
-    monkeypatch.setattr(epilogue, "l1_bytes", lambda: 48 << 10)
-    monkeypatch.setattr(epilogue, "l2_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(gemm_tiles, "l1_bytes", lambda: 48 << 10)
+    monkeypatch.setattr(gemm_tiles, "l2_bytes", lambda: 1 << 20)
     for k, n in ((672, 112), (960, 160), (160, 960), (768, 3072), (64, 256), (512, 50000)):
         texts = set()
         for m in (3, 49, 128, 196, 255, 256, 1000, 3136, 40000):
             s = Size.symbol("s0", 7)
             spec = SimpleNamespace(m=s, k=k, n=n, batch=1, packable=True)
             with deciding() as log:
-                tm, tn = epilogue.own_tiles(spec, threads)  # type: ignore[arg-type]
+                tm, tn = gemm_tiles.own_tiles(spec, threads)  # type: ignore[arg-type]
             assert len(log) == 0
             with symbolic_text():
                 texts.add(f"{tm} {tn}")
@@ -714,10 +714,10 @@ def test_opfuse_gemm_tiles_at_a_symbolic_row_count_are_one_expression_of_it(
             assert tm >= 1 and (tn % 32 == 0 or tn >= n)
             if threads == 2 and m in (49, 196) and (k, n) != (512, 50000):  # (below the rows split)
                 fixed = SimpleNamespace(m=m, k=k, n=n, batch=1, packable=True)
-                static = epilogue.own_tiles(fixed, 2)  # type: ignore[arg-type]
+                static = gemm_tiles.own_tiles(fixed, 2)  # type: ignore[arg-type]
                 assert (min(tm, m), min(tn, n)) == static, (m, k, n)
             if m >= 128 * threads:  # rows for every thread (a vocabulary's columns in blocks)
-                assert tn == n or tm * tn <= epilogue.TILE_MAX_ELEMENTS
+                assert tn == n or tm * tn <= gemm_tiles.TILE_MAX_ELEMENTS
                 assert -(-m // tm) >= threads
         assert len(texts) == 1
 

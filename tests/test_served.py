@@ -402,7 +402,7 @@ def test_blocked_gemms_serve_every_row_count_with_tiles_they_take_as_they_run(
 ) -> None:
     """The blocked GEMMs at a symbolic row count take their tiles as the kernel runs: one
     compile over 2-1100 rows, where a static compile splits rows from 256. opfuse's GEMM
-    tiles rows or columns (epilogue.own_tiles); MKL's, its packed weight laid out per
+    tiles rows or columns (gemm_tiles.own_tiles); MKL's, its packed weight laid out per
     column tile, keeps one column split and tiles the rows (a narrow weight, one column
     tile: rows in whole rounds of the threads). (Each served size is also compiled and
     compared with it: OPFUSE_CHECK_SERVED.)"""

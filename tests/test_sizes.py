@@ -479,13 +479,13 @@ def test_a_pool_over_symbolic_image_sizes_computes_no_size_in_its_loops(
 def test_gemm_tiles_print_one_expression_per_size_range() -> None:
     """The tile of rows is a closed form of M (ir/size.py prints it): every M of a regime
     gets the same text, where halving until the tile fit printed a step per doubling."""
-    from opfuse.lower import epilogue
+    from opfuse.lower import gemm_tiles
 
     texts = set()
     for m in (9000, 14000, 30000, 61000):
         spec = _FakeSpec(Size.symbol("s0", m // 8) * 8, 384)
-        tm, tn = epilogue.tiles(spec, threads=2)  # type: ignore[arg-type]
-        assert tm * tn <= epilogue.TILE_MAX_ELEMENTS and tm % 16 == 0
+        tm, tn = gemm_tiles.tiles(spec, threads=2)  # type: ignore[arg-type]
+        assert tm * tn <= gemm_tiles.TILE_MAX_ELEMENTS and tm % 16 == 0
         with symbolic_text():
             texts.add(str(tm))
     assert len(texts) == 1, texts

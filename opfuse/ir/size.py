@@ -282,7 +282,7 @@ def undecided() -> contextlib.AbstractContextManager[None]:
 
 
 def _site() -> str:
-    """module.function of the first caller outside this module (`lower/epilogue.tiles`)."""
+    """module.function of the first caller outside this module (`lower/gemm_tiles.tiles`)."""
     frame = sys._getframe(1)
     while frame.f_back is not None and frame.f_code.co_filename == __file__:
         frame = frame.f_back

@@ -22,10 +22,9 @@ from .epilogue import (
     _name,
     _read_tile_slot,
     const_root,
-    even_tiles,
     in_place,
-    tile_slots,
 )
+from .gemm_tiles import even_tiles, tile_slots
 from .kernel import Kernel
 from .lowering import NotFusable, _Lowering, lower_on_domain
 

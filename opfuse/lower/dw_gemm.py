@@ -30,12 +30,11 @@ from .depthwise import DepthwiseKernel, Geometry
 from .epilogue import (
     GemmKernel,
     GemmSpec,
-    even_tiles,
     lower_blocked,
     own_gemm,
     tile_index,
-    tile_slots,
 )
+from .gemm_tiles import even_tiles, tile_slots
 from .kernel import Buffer, Kernel
 from .lowering import NotFusable
 

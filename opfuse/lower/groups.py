@@ -33,8 +33,8 @@ from .epilogue import (
     lower_unfused,
     match_onednn,
     own_gemm,
-    own_tiles,
 )
+from .gemm_tiles import own_tiles
 from .kernel import Kernel
 from .lowering import NotFusable, lower_group
 
@@ -124,7 +124,7 @@ def _blocked(
     cands["blocked"] = k
     try:
         own = own_gemm(k)
-        # opfuse's GEMM takes tiles of its own (epilogue.own_tiles: columns in its panels
+        # opfuse's GEMM takes tiles of its own (gemm_tiles.own_tiles: columns in its panels
         # of 32, rows split where few rows would share wide columns; expressions of a
         # symbolic row count), with the decisions they took
         with deciding() as decided:

@@ -175,7 +175,7 @@ class OwnPack:
     def total(self) -> int:
         """The floats packed: N rounded up to whole panels, times K. Column tiles are whole
         panels but for the last, so a tile at column n0 starts at float n0 * K whatever
-        the tiling (which may be an expression of the sizes: epilogue.own_tiles)."""
+        the tiling (which may be an expression of the sizes: gemm_tiles.own_tiles)."""
         return -(-self.n // OWN_NR) * OWN_NR * self.k
 
     def __call__(self, weight: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,8 @@ includes (opfuse_gemm_tile), and what decides which of its parts a module compil
 from __future__ import annotations
 
 from ...ir.size import is_size
-from ...lower.epilogue import OWN_PANEL, GemmKernel
+from ...lower.epilogue import GemmKernel
+from ...lower.gemm_tiles import OWN_PANEL
 
 # opfuse's GEMM. A strip of up to 6 rows times a panel of 32 columns is summed in 12 vector
 # registers of 16 floats, and the partial sums of up to 8 such blocks in 12 more, so nothing
