@@ -232,18 +232,34 @@ def test_a_subclass_overriding_what_a_torch_forward_calls_has_its_mode_watched()
     assert_matches_eager(m, out, (x,))
 
 
-@pytest.mark.parametrize("how", ["p.data.mul_", "p.data = t"])
-def test_writes_that_bypass_version_counters_need_refresh(how: str) -> None:
+def test_writes_that_bypass_version_counters_in_place_need_refresh() -> None:
     m, x = _net()
     fast = opfuse.compile(m, (x,))
     fast(x)
-    if how == "p.data.mul_":
-        m.fc.weight.data.mul_(2.0)  # .data has a version counter of its own: unseen
-    else:
-        m.fc.weight.data = m.fc.weight.detach() * 2  # no counter moves, no hook runs
+    m.fc.weight.data.mul_(2.0)  # .data has a version counter of its own: unseen
     assert fast._watch is not None and fast._watch.changed() is None
     fast.refresh()
     assert_matches_eager(m, fast(x), (x,))
+
+
+@pytest.mark.parametrize("entry", ["opfuse.compile", "torch.compile"])
+def test_data_assigned_to_a_parameter_is_followed(entry: str) -> None:
+    """`p.data = t` moves no version counter and runs no hook; the parameter's data address
+    moves, which each call compares (in C: frontend/watch.Addresses)."""
+    m, x = _net()
+    torch._dynamo.reset()
+    fast = (
+        opfuse.compile(m, (x,)) if entry == "opfuse.compile" else torch.compile(m, backend="opfuse")
+    )
+    with torch.no_grad():
+        assert_matches_eager(m, fast(x), (x,))
+        m.fc.weight.data = m.fc.weight.detach() * 2
+        m.conv.weight.data = m.conv.weight.detach() * 0.5  # (folded with its BatchNorm)
+        with pytest.warns(RuntimeWarning, match="compil"):
+            out = fast(x)
+        assert_matches_eager(m, out, (x,))
+        assert_matches_eager(m, fast(x), (x,))
+    torch._dynamo.reset()
 
 
 def test_a_deep_copy_computes_with_its_own_weights() -> None:
@@ -579,7 +595,7 @@ def test_version_sum_in_c_follows_every_counter_and_skips_inference_tensors() ->
     with torch.inference_mode():
         frozen = torch.randn(3)
     summed = watch.VersionSum([*plain, frozen])
-    if watch._summer() is not None:  # where the helper builds, it is the one used
+    if watch._helpers() is not None:  # where the helper builds, it is the one used
         assert summed.fn is not None
     start = summed()
     assert start == sum(t._version for t in plain)
@@ -589,6 +605,34 @@ def test_version_sum_in_c_follows_every_counter_and_skips_inference_tensors() ->
     with torch.inference_mode():
         frozen.add_(1)  # in place inside inference mode: untracked, as in torch
     assert summed() == start + 2
+
+
+def test_addresses_in_c_see_data_moved_and_nothing_else() -> None:
+    """Addresses compares each tensor's data address (storage offset included) in C:
+    `.data = t` and `set_` move it, in-place writes do not; views, empty and inference
+    tensors compare as data_ptr does."""
+    from opfuse.frontend import watch
+
+    base = torch.randn(10)
+    with torch.inference_mode():
+        frozen = torch.randn(3)
+    p = torch.nn.Parameter(torch.randn(4))
+    tensors = [base[3:7], torch.empty(0), frozen, p, torch.randn(2, 3).t()]
+    addressed = watch.Addresses(tensors)
+    if watch._helpers() is not None:
+        assert addressed.fn is not None
+    assert not addressed.moved()
+    base.add_(1)
+    p.data.mul_(2)
+    assert not addressed.moved()
+    p.data = torch.randn(4)
+    assert addressed.moved()
+    p.data = tensors[3].detach()  # (the same tensor object's data, new storage again)
+    assert addressed.moved()
+    t = torch.randn(4)
+    other = watch.Addresses([t])
+    t.set_(torch.randn(4))
+    assert other.moved()
 
 
 def _built_in_inference_mode() -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:

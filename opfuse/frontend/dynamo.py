@@ -102,7 +102,7 @@ class _GraphRunner:
         self.frozen = frozen
         self.watches: dict[tuple[Any, ...], FrozenInputs] = {}
         self._live_at: list[int] = []
-        self._live_for: frozenset[int] = frozenset()
+        self._live_for: tuple[int, frozenset[int]] = (-1, frozenset())  # (n, frozen) of _live_at
         self._first_frozen = 0  # (of the frozen positions, the first: _key)
         self.changes = 0  # compiles again because a frozen parameter changed
         self.fallback = fallback
@@ -133,9 +133,9 @@ class _GraphRunner:
 
     def _live(self, n: int) -> list[int]:
         """The positions of the n arguments that are not frozen."""
-        if len(self._live_at) != n or self._live_for is not self.frozen:
+        if self._live_for[0] != n or self._live_for[1] is not self.frozen:
             self._live_at = [k for k in range(n) if k not in self.frozen]
-            self._live_for = self.frozen
+            self._live_for = (n, self.frozen)
             self._first_frozen = min(self.frozen, default=0)
         return self._live_at
 
