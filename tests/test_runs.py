@@ -30,13 +30,18 @@ def _chain() -> tuple[torch.nn.Module, torch.Tensor]:
     return m, torch.randn(4, 64)
 
 
+# Every linear as opfuse's GEMM, a kernel: on a fresh cache the tuner may time a lone
+# linear faster as a library call (a torch step, which splits the run).
+KERNELS = {"implementation": "opfuse-gemm"}
+
+
 def _runtime(fast: opfuse.CompiledModule):  # type: ignore[no-untyped-def]
     return fast._first.compiled.run
 
 
 def test_kernels_with_fixed_arguments_run_from_one_c_call() -> None:
     m, x = _chain()
-    fast = opfuse.compile(m, (x,))
+    fast = opfuse.compile(m, (x,), options=KERNELS)
     with torch.no_grad():
         first = fast(x)
         rt = _runtime(fast)
@@ -89,7 +94,7 @@ def test_a_failing_kernel_stops_its_run_and_raises() -> None:
 
     # in a compiled model: the run's middle kernel fails as an integer division by zero does
     m, x = _chain()
-    fast = opfuse.compile(m, (x,))
+    fast = opfuse.compile(m, (x,), options=KERNELS)
     with torch.no_grad():
         fast(x)
         (model_run,) = _runtime(fast)._frame.runs.values()
@@ -103,7 +108,7 @@ def test_turned_off(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     runs._runner.cache_clear()
     try:
         m, x = _chain()
-        fast = opfuse.compile(m, (x,))
+        fast = opfuse.compile(m, (x,), options=KERNELS)
         with torch.no_grad():
             assert_matches_eager(m, fast(x), (x,))
         assert _runtime(fast)._frame.runs == {}
