@@ -217,7 +217,6 @@ class ParameterWatch:
         self.version = sum(self.versions)
         self.summed = VersionSum(self.tensors)
         self.addressed = Addresses(self.tensors)
-        self.addresses = self.addressed.at
         self.epoch = _epoch
         # The module tree: a submodule replaced by one without tensors (an activation
         # swapped) moves the epoch and no frozen tensor; one deleted (`del model[2]`) moves
@@ -275,7 +274,7 @@ class ParameterWatch:
         found = [_find(self.model, n, t) for n, t in zip(self.names, own)]
         now = list(map(_ADDRESS, self.tensors))
         return [n for n, t, f in zip(self.names, own, found) if f is not t] + [
-            self._name(i) for i, (a, b) in enumerate(zip(self.addresses, now)) if a != b
+            self._name(i) for i, (a, b) in enumerate(zip(self.addressed.at, now)) if a != b
         ]
 
     def _name(self, i: int) -> str:

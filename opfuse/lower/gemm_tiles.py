@@ -69,7 +69,7 @@ def tiles(spec: GemmSpec, threads: int, epilogue: bool = True, panel: int = 64) 
         tm, tn = -(-m // threads), n
     else:
         tm = m
-        tn = round_up(-(-n // threads), panel)
+        tn = _round_up(-(-n // threads), panel)
     if epilogue and split_rows and is_size(m):
         # Rows split at a symbolic size: whole rounds of tiles of at most the rows that
         # fit, in 16s, as one expression of m (halving the columns as m grows, as below,
@@ -85,7 +85,7 @@ def tiles(spec: GemmSpec, threads: int, epilogue: bool = True, panel: int = 64) 
             # printed one more step per doubling of m, at thresholds each layer has its own
             fit = max(128, TILE_MAX_ELEMENTS * 3 // 4 // tn // 16 * 16)
             pieces = -(-tm // fit)
-            tm = round_up(-(-tm // pieces), 16)
+            tm = _round_up(-(-tm // pieces), 16)
     tm = whole_rounds(m, tm, -(-n // tn), threads)
     return min(tm, m), min(tn, n)
 
@@ -96,7 +96,7 @@ def _tiles_any_rows(spec: GemmSpec, threads: int, epilogue: bool, panel: int) ->
     columns split one way for every m, as `tiles` splits them for few rows; the rows then
     in the fewest tiles that fit in cache and come in whole rounds of the threads."""
     m, n = spec.m, spec.n
-    tn = round_up(-(-n // threads), panel)
+    tn = _round_up(-(-n // threads), panel)
     if epilogue:  # the widest tile `tiles` gives below 128 rows a thread
         tn = _narrowed(tn, 128 * threads - 1)
     n_cols = -(-n // tn)
@@ -148,13 +148,13 @@ def _own_tiles_any_rows(spec: GemmSpec, threads: int, epilogue: bool) -> tuple[i
         tall = _fitting_rows(m, full, threads)
     else:
         tall = -(-m // threads)
-    tn = round_up(-(-n // threads), OWN_PANEL)
+    tn = _round_up(-(-n // threads), OWN_PANEL)
     wide = m
     if epilogue:
         tn = _narrowed(tn, bound - 1)
         if (bound - 1) * tn > TILE_MAX_ELEMENTS:  # (many threads) rows in pieces that fit
             fit = max(128, TILE_MAX_ELEMENTS * 3 // 4 // tn // 16 * 16)
-            wide = round_up(-(-m // (m // fit + 1)), 16)
+            wide = _round_up(-(-m // (m // fit + 1)), 16)
     low_m, low_n = wide, tn
     if (
         spec.batch == 1
@@ -173,7 +173,7 @@ def _narrowed(tn: int, rows: int) -> int:
     """The columns of a tile `rows` tall, halved (in 64s, down to 512) while the tile
     would not fit the cache cap."""
     while rows * tn > TILE_MAX_ELEMENTS and tn > 512:
-        tn = round_up(tn // 2, 64)
+        tn = _round_up(tn // 2, 64)
     return tn
 
 
@@ -181,8 +181,8 @@ def _fitting_rows(m: int, tn: int, rounds: int) -> int:
     """Rows per tile of `tn` columns: the fewest tiles of at most the rows that fit the
     cache cap (at least 128), in whole rounds of `rounds`, in 16s, as one expression of m."""
     fit = max(128, TILE_MAX_ELEMENTS // tn // 16 * 16)
-    return round_up(even_tiles(m, fit, rounds), 16)
+    return _round_up(even_tiles(m, fit, rounds), 16)
 
 
-def round_up(x: int, k: int) -> int:
+def _round_up(x: int, k: int) -> int:
     return -(-x // k) * k
