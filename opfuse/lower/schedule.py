@@ -19,6 +19,7 @@ from .kernel import Kernel, Schedule, map_indices
 from .refine import refine
 from .split import with_pieces
 from .tile import tile_transposes
+from .unroll import unroll_short_vector
 from .unswitch import unswitch
 
 # A reduction whose rows are too few to keep every thread busy splits each row.
@@ -101,7 +102,7 @@ def finalize(k: Kernel) -> Kernel:
 
 
 def _finish(k: Kernel) -> Kernel:
-    k = tile_transposes(k, accesses(k))
+    k = tile_transposes(unroll_short_vector(k), accesses(k))
     if k.cases:  # tiled squares and the rest (tile.py)
         return replace(k, cases=tuple(with_pieces(_variance_algorithm(c)) for c in k.cases))
     return with_pieces(_variance_algorithm(k))
