@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import opfuse
 from opfuse.lower.unroll import SHORT
-from tests.conftest import Fn, assert_matches_eager
+from tests.conftest import Fn, assert_matches_eager, assert_no_worse
 
 
 def _compile(fn, *args):  # type: ignore[no-untyped-def]
@@ -56,13 +56,13 @@ def _rope_pairs(x, cos, sin):  # type: ignore[no-untyped-def]
         (lambda a: a.t().contiguous() + 1, (torch.randn(4, 333),)),
         (lambda a: a[:, 1:4].exp(), (torch.randn(257, 5),)),
         (lambda a, b: torch.stack([a * 2, b + 1], -1), (torch.randn(1001), torch.randn(1001))),
-        (lambda a, b: torch.cat([a, b.relu()], -1) * 3, (torch.randn(99, 2), torch.randn(99, 3))),
+        (lambda a, b: torch.cat([a, b.relu()], -1) * 3, (torch.randn(99, 1), torch.randn(99, 3))),
         (_rope_pairs, (torch.randn(2, 3, 17, 16), torch.randn(17, 8), torch.randn(17, 8))),
         (
             lambda a, b: (a * b) // 2 + (a > 0),
-            (torch.randint(-9, 9, (123, 6), dtype=torch.int32), torch.arange(6, dtype=torch.int32)),
+            (torch.randint(-9, 9, (123, 4), dtype=torch.int32), torch.arange(4, dtype=torch.int32)),
         ),
-        (lambda a: F.pad(a, (1, 1)) > 0.5, (torch.randn(77, 3),)),
+        (lambda a: F.pad(a, (1, 1)) > 0.5, (torch.randn(77, 2),)),
     ],
     ids=["broadcast", "transpose", "slice", "stack", "cat", "rope", "int", "pad-bool"],
 )
@@ -82,7 +82,7 @@ def test_the_stack_of_pairs_decides_its_position_tests_per_copy() -> None:
 
 def test_long_vector_loops_are_kept() -> None:
     fast = _compile(lambda a: a.t().contiguous() * 2, torch.randn(40, SHORT))
-    assert not _unrolled(fast)  # a vector of 8 is a vector
+    assert not _unrolled(fast)  # gcc keeps a group of 5 scalar: the loop stays
     fast = _compile(lambda a, b: a * b, torch.randn(64, 100), torch.randn(100))
     assert not _unrolled(fast)
 
@@ -141,3 +141,144 @@ def test_random_short_last_dimensions_match_eager(
         return (a * 10).to(torch.int32) + 1
 
     _compile(f, base, y)
+
+
+# -- rows of a few elements written out ----------------------------------------------------
+
+
+def _written_out(fast) -> bool:  # type: ignore[no-untyped-def]
+    return "written out" in fast._first.compiled.source
+
+
+_W, _B = torch.rand(4), torch.randn(4)
+
+
+def _nans_and_ties(n: int, s: int) -> torch.Tensor:
+    x = torch.randn(n, s).round()  # many ties
+    x[::7, s // 2] = float("nan")
+    x[::11, 0] = float("nan")
+    x[3::13] = float("-inf")
+    return x
+
+
+@pytest.mark.parametrize("s", [2, 3, 4])
+@pytest.mark.parametrize(
+    "f",
+    [
+        lambda x: x.softmax(-1),
+        lambda x: x.log_softmax(-1) * 2,
+        lambda x: F.layer_norm(x, x.shape[-1:], _W[: x.shape[-1]], _B[: x.shape[-1]]),
+        lambda x: F.normalize(x, dim=-1),
+        lambda x: (x - x.mean(-1, keepdim=True)) / x.std(-1, keepdim=True),
+        lambda x: (x.softmax(-1), x.argmax(-1), x.argmin(-1)),
+        lambda x: (x - x.amax(-1, keepdim=True), x.max(-1).indices, x.min(-1).values),
+        lambda x: x / x.prod(-1, keepdim=True) + x.var(-1, correction=0, keepdim=True),
+        lambda x: ((x > 0).any(-1, keepdim=True) & (x > 0)) | (x < -1).all(-1, keepdim=True),
+    ],
+    ids=[
+        "softmax",
+        "log_softmax",
+        "layer_norm",
+        "normalize",
+        "std",
+        "argmax",
+        "max",
+        "prod",
+        "any",
+    ],
+)
+def test_rows_of_a_few_elements_are_written_out_and_match_eager(f, s: int) -> None:  # type: ignore[no-untyped-def]
+    x = torch.randn(203, s)
+    fast = _compile(f, x)
+    assert _written_out(fast), fast._first.compiled.source
+    (k,) = _kernels(fast)
+    assert "r0" not in k  # no loop over a row's elements
+
+
+@pytest.mark.parametrize("s", [2, 3, 4])
+def test_written_out_maxima_keep_nan_and_the_first_of_ties(s: int) -> None:
+    x = _nans_and_ties(300, s)
+
+    def f(x):  # type: ignore[no-untyped-def]
+        return x.softmax(-1), x.argmax(-1), x.argmin(-1), x.amax(-1, keepdim=True) - x, x.max(-1)
+
+    fast = _compile(f, x)
+    assert _written_out(fast)
+
+
+def test_integer_and_half_rows_written_out_match_eager() -> None:
+    i = torch.randint(-5, 6, (111, 3), dtype=torch.int32)
+    fast = _compile(lambda i: (i - i.amax(-1, keepdim=True), i.sum(-1), i.argmax(-1)), i)
+    assert _written_out(fast)
+    h = torch.randn(111, 4).half()
+    fast = _compile(lambda h: (h.softmax(-1), F.layer_norm(h, (4,))), h)
+    assert _written_out(fast)
+
+
+def test_rows_of_five_keep_their_loops() -> None:
+    fast = _compile(lambda x: x.softmax(-1), torch.randn(64, SHORT))
+    assert not _written_out(fast)
+
+
+def test_gradients_over_short_rows_match_eager() -> None:
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    x0, w0 = torch.randn(77, 3), torch.randn(3)
+
+    def f(x, w):  # type: ignore[no-untyped-def]
+        y = F.layer_norm(x, (3,), w) + x.softmax(-1) * x.log_softmax(-1)
+        return (y * torch.arange(3.0, dtype=x.dtype)).sum()
+
+    def grads(fn, dtype):  # type: ignore[no-untyped-def]
+        x = x0.to(dtype).clone().requires_grad_(True)
+        w = w0.to(dtype).clone().requires_grad_(True)
+        fn(x, w).backward()
+        return x.grad, w.grad
+
+    eager, ref = grads(f, torch.float32), grads(f, torch.float64)
+    ours = grads(torch.compile(f, backend="opfuse"), torch.float32)
+    for o, e, r, what in zip(ours, eager, ref, ("x", "w"), strict=True):
+        # a LayerNorm's gradient over 3 elements cancels: the oracle rule, not eager's bits
+        assert_no_worse(o, e, r, what)
+
+
+def test_a_pass_reads_what_earlier_passes_stored_not_its_own_stores() -> None:
+    # the max's backward mask compares the value the forward's last pass overwrites with
+    # `t - max` in place: written out, the mask must read the value before the overwrite
+    torch._dynamo.reset()
+
+    def f(x):  # type: ignore[no-untyped-def]
+        t = F.gelu(x)
+        return t - t.amax(-1, keepdim=True)
+
+    for shape in [(2,), (5, 3), (4, 1, 2)]:
+        x = torch.randn(shape)
+        w = torch.linspace(0.5, 1.5, x.numel()).view(shape)
+        xe, xo = x.clone().requires_grad_(), x.clone().requires_grad_()
+        (f(xe) * w).sum().backward()
+        (torch.compile(f, backend="opfuse")(xo) * w).sum().backward()
+        torch.testing.assert_close(xo.grad, xe.grad)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    s=st.integers(1, SHORT + 1),
+    rows=st.integers(1, 90),
+    transposed=st.booleans(),
+    op=st.sampled_from(["softmax", "layer_norm", "argmax", "var", "sum"]),
+)
+def test_random_short_rows_match_eager(s: int, rows: int, transposed: bool, op: str) -> None:
+    x = torch.randn(s, rows).t() if transposed else torch.randn(rows, s)
+
+    def f(x):  # type: ignore[no-untyped-def]
+        if op == "softmax":
+            return x.softmax(-1)
+        if op == "layer_norm":
+            return F.layer_norm(x * 2, (s,))
+        if op == "argmax":
+            return x.exp() - x.amax(-1, keepdim=True), x.argmax(-1)
+        if op == "var":
+            return x - x.var(-1, keepdim=True)
+        return x / (x.abs().sum(-1, keepdim=True) + 1)
+
+    _compile(f, x)

@@ -19,7 +19,7 @@ from .kernel import Kernel, Schedule, map_indices
 from .refine import refine
 from .split import with_pieces
 from .tile import tile_transposes
-from .unroll import unroll_short_vector
+from .unroll import unroll_short_vector, write_out_short_rows
 from .unswitch import unswitch
 
 # A reduction whose rows are too few to keep every thread busy splits each row.
@@ -92,7 +92,7 @@ def finalize(k: Kernel) -> Kernel:
         return rewrite_ix(ix, rename)
 
     k2 = replace(map_indices(k, fix), outer=tuple(new_outer), inner=tuple(new_inner))
-    k2 = replace(k2, schedule=_choose(k2))
+    k2 = write_out_short_rows(replace(k2, schedule=_choose(k2)))
     k2 = replace(k2, inplace=inplace_pairs(k2))
     k2 = unswitch(k2)
     if k2.cases:  # the cases run, the whole kernel is only their description

@@ -14,15 +14,24 @@ interleaved groups that gcc vectorises as such, and the loads walk along that lo
 from __future__ import annotations
 
 import functools
+import itertools
+import operator
 from dataclasses import replace
 
-from ..ir.index import Ix
-from ..ir.scalar import Expr
+import torch
+
+from ..ir.combine import Family, Identity
+from ..ir.index import Ix, Var
+from ..ir.scalar import Expr, call, cast, const, walk, where
 from ..ir.size import is_size
-from .kernel import Kernel, Pass, Schedule, Store, rewrite
+from .kernel import Accumulate, Kernel, Pass, Schedule, Store, rewrite
 from .split import fold
 
-SHORT = 8  # iterations: fewer than one vector of floats (AVX2), a loop mostly of overhead
+# Iterations: a loop of fewer is mostly its overhead, and gcc 12 vectorises the unrolled
+# body's interleaved loads and stores in groups of 2, 3 and 4. Groups of 5-7 it leaves
+# scalar: 240000 x s, 2 threads, sigmoid([N, 1] + [1, s]) at s = 5-7 1.3-3.5 -> 2.8-5.4 ms
+# unrolled, a LayerNorm over rows of 6-7 1.7-2.0 -> 1.9-2.6 ms written out.
+SHORT = 5
 MAX_STORES = 16  # the unrolled body's stores: more copies of the expressions than it saves
 
 
@@ -54,3 +63,120 @@ def unroll_short_vector(k: Kernel) -> Kernel:
         passes=(Pass(stores=tuple(stores)),),
         notes={**k.notes, "unrolled": note},
     )
+
+
+# -- reductions over a few elements per row ---------------------------------------------
+
+
+def write_out_short_rows(k: Kernel) -> Kernel:
+    """A rows kernel whose rows hold fewer than SHORT elements (a softmax over 3 classes,
+    the norm of xyz coordinates, a LayerNorm over 4 features) as a pointwise kernel: each
+    reduction written out as an expression of the row's elements, each per-element store
+    once per element. Its vector loop then runs over rows where the rows schedule ran a
+    few-lane reduction loop per row and pass (softmax over [300000, 3]: three loops of 3
+    per row). `k` itself where a row is longer, a size is symbolic, or the kernel checks
+    or guards."""
+    if k.schedule is not Schedule.ROWS or not k.inner or k.checks or k.pieces or k.cases:
+        return k
+    if any(is_size(v.extent) for v in k.inner) or k.inner_size >= SHORT:
+        return k
+    if any(s.guard is not None for p in k.passes for s in (*p.stores, *p.after)):
+        return k
+    shape = [range(v.extent) for v in k.inner]
+    points = [{v: Ix.of(c) for v, c in zip(k.inner, cs)} for cs in itertools.product(*shape)]
+    if sum(len(p.stores) for p in k.passes) * len(points) > MAX_STORES:
+        return k
+    results: dict[tuple[str, str], Expr] = {}
+    # What the kernel stored so far, by (buffer, index): a later pass that reads an output
+    # back (a softmax's exponentials, divided in the last pass) reads the value instead,
+    # since a pointwise body computes every value before it stores any.
+    stored: dict[tuple[str, Ix], Expr] = {}
+    dtypes = {b.name: b.dtype for b in k.buffers}
+
+    def at(e: Expr, point: dict[Var, Ix]) -> Expr:
+        return _read_back(fold(e, point, {}), results, stored)
+
+    for p in k.passes:
+        for a in p.accumulates:
+            values = [at(a.value, pt) for pt in points]
+            spots = [a.position.substitute(pt) for pt in points] if a.position is not None else []
+            if any(spot.terms for spot in spots):
+                return k  # a position that is not a number once the row is written out
+            results.update(_combined(a, values, spots))
+        # a pass reads what the passes before it stored, its own stores not yet (a row's
+        # body loads before it stores: a max's mask compares the value the pass replaces)
+        now = {
+            (st.buffer, st.index.substitute(pt)): cast(at(st.value, pt), dtypes[st.buffer])
+            for pt in points
+            for st in p.stores
+        }
+        stored.update(now)
+        after = {(st.buffer, st.index): cast(at(st.value, {}), dtypes[st.buffer]) for st in p.after}
+        stored.update(after)
+    stores = tuple(Store(buf, ix, value) for (buf, ix), value in stored.items())
+    outs = {b.name for b in k.outputs}
+    if any(e.op == "load" and e.value[0] in outs for e in walk([s.value for s in stores])):
+        return k  # an output read back elsewhere than where this row stored it
+    note = f"rows of {k.inner_size} written out"
+    return replace(
+        k,
+        inner=(),
+        passes=(Pass(stores=stores),),
+        schedule=Schedule.POINTWISE,
+        reduction_size=1,
+        notes={**k.notes, "rows": note},
+    )
+
+
+def _read_back(
+    e: Expr, results: dict[tuple[str, str], Expr], stored: dict[tuple[str, Ix], Expr]
+) -> Expr:
+    """`e` with its reduction results ("acc" leaves) replaced by their written-out values,
+    and its loads of what the kernel stored by the values stored."""
+    memo: dict[Expr, Expr] = {}
+
+    def go(x: Expr) -> Expr:
+        hit = memo.get(x)
+        if hit is None:
+            if x.op == "acc":
+                hit = cast(results[x.value], x.dtype)
+            elif x.op == "load" and x.value in stored:
+                hit = cast(stored[x.value], x.dtype)
+            elif x.args:
+                hit = Expr(x.op, tuple(go(a) for a in x.args), x.dtype, x.value)
+            else:
+                hit = x
+            memo[x] = hit
+        return hit
+
+    return go(e)
+
+
+def _combined(a: Accumulate, values: list[Expr], spots: list[Ix]) -> dict[tuple[str, str], Expr]:
+    """Accumulator `a`'s results ((name, part) -> value) over `values`, its row's elements
+    in the loops' order (`spots`: their positions in the row, for an argmax)."""
+    row = a.row
+    if row.family is Family.WELFORD:
+        # two passes over the row, as the rows schedule takes for rows held in cache
+        vs = [cast(v, a.acc_dtype) for v in values]
+        mean = functools.reduce(operator.add, vs) / const(len(vs), a.acc_dtype)
+        m2 = functools.reduce(operator.add, [(v - mean) * (v - mean) for v in vs])
+        return {(a.name, "mean"): mean, (a.name, "m2"): m2}
+    if row.family is Family.ARGSELECT:
+        # in the order of the positions (the loops may walk the row in another): ties go
+        # to the first
+        ordered = sorted(zip(spots, values), key=lambda sv: sv[0].const)
+        best, index = ordered[0][1], const(ordered[0][0].const, torch.int64)
+        for spot, v in ordered[1:]:
+            beyond = v > best if row.op == "max" else v < best
+            # NaN wins, then the first: a later NaN does not replace an earlier one
+            take = beyond | (call("isnan", v) & call("eq", best, best))
+            best, index = where(take, v, best), where(take, const(spot.const, torch.int64), index)
+        return {(a.name, "value"): best, (a.name, "index"): index}
+    if row.family is Family.SELECT:
+        return {(a.name, "value"): functools.reduce(functools.partial(call, row.op), values)}
+    fold_op = {"+": "add", "*": "mul", "|": "or", "&": "and"}[row.op]
+    total = const(0 if row.identity is Identity.ZERO else 1, a.acc_dtype)
+    for v in values:
+        total = call(fold_op, total, cast(v, a.acc_dtype))
+    return {(a.name, "value"): total}

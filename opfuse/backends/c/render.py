@@ -28,8 +28,7 @@ def render_module(kernels: Sequence[tuple[str, Kernel]]) -> str:
 def _header(name: str, k: Kernel) -> list[str]:
     ops = ", ".join(dict.fromkeys(k.ops))
     cases = f"; as {len(k.cases)} cases of {k.notes['cases']}" if k.cases else ""
-    if "unrolled" in k.notes:
-        cases += f"; {k.notes['unrolled']}"
+    cases += "".join(f"; {k.notes[n]}" for n in ("rows", "unrolled") if n in k.notes)
     return [
         f"/* {k.name}: {ops}",
         f" * schedule {k.schedule}; {traffic(k)}{cases} */",
