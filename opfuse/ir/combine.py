@@ -50,6 +50,9 @@ class CombineRow:
     # Max/min compare values exactly in the input's opmath dtype; everything else folds
     # in the accumulator dtype.
     exact: bool = False
+    # FOLD/SELECT: the scalar primitive (scalar.PRIMS) that folds two values, for a row
+    # written out as an expression (lower/unroll.py)
+    prim: str = ""
 
     @property
     def extreme_lo(self) -> bool:
@@ -59,16 +62,18 @@ class CombineRow:
 
 # fmt: off
 COMBINES: dict[Combine, CombineRow] = {
-    Combine.SUM: CombineRow(Family.FOLD, Identity.ZERO, ("value",), "+", "+", "combine_sum"),
-    Combine.PROD: CombineRow(Family.FOLD, Identity.ONE, ("value",), "*", "*", "combine_prod"),
+    Combine.SUM: CombineRow(Family.FOLD, Identity.ZERO, ("value",), "+", "+", "combine_sum",
+                            prim="add"),
+    Combine.PROD: CombineRow(Family.FOLD, Identity.ONE, ("value",), "*", "*", "combine_prod",
+                             prim="mul"),
     Combine.ANY: CombineRow(Family.FOLD, Identity.ZERO, ("value",), "|", "|", "combine_or",
-                            logical=True),
+                            logical=True, prim="or"),
     Combine.ALL: CombineRow(Family.FOLD, Identity.ONE, ("value",), "&", "&", "combine_and",
-                            logical=True),
+                            logical=True, prim="and"),
     Combine.MAX: CombineRow(Family.SELECT, Identity.LOWEST, ("value",), "max", "max", "op_max",
-                            exact=True),
+                            exact=True, prim="max"),
     Combine.MIN: CombineRow(Family.SELECT, Identity.HIGHEST, ("value",), "min", "min", "op_min",
-                            exact=True),
+                            exact=True, prim="min"),
     Combine.ARGMAX: CombineRow(Family.ARGSELECT, Identity.LOWEST, ("value", "index"), "max",
                                triton_merge="combine_argmax", exact=True),
     Combine.ARGMIN: CombineRow(Family.ARGSELECT, Identity.HIGHEST, ("value", "index"), "min",

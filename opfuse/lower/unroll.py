@@ -1,5 +1,5 @@
-"""A pointwise kernel whose vector loop runs a few iterations: unrolled into the loop
-around it.
+"""Loops of a few iterations written out: a pointwise kernel's short vector loop unrolled
+into the loop around it, and a rows kernel's short rows reduced as expressions.
 
 The vector loop walks the variable the first output is contiguous along. Where that
 variable is short (an NCHW -> NHWC copy of an RGB image: 3 channels per pixel; boxes of 4
@@ -8,7 +8,9 @@ and a stack chunk per iteration where a load must be gathered -- and runs once p
 element of the loop around it. Unrolled, each of its iterations becomes a store of its
 own in the body of the loop around it, which becomes the vector loop: the stores write
 interleaved groups that gcc vectorises as such, and the loads walk along that loop
-(the 224x224 image's NCHW -> NHWC copy, one thread: 57 -> 13 us).
+(the 224x224 image's NCHW -> NHWC copy, one thread: 57 -> 13 us). A rows kernel over rows
+of a few elements (a softmax over 3 classes) ran such loops once per row and pass; written
+out, it is a pointwise kernel over its rows.
 """
 
 from __future__ import annotations
@@ -174,9 +176,8 @@ def _combined(a: Accumulate, values: list[Expr], spots: list[Ix]) -> dict[tuple[
             best, index = where(take, v, best), where(take, const(spot.const, torch.int64), index)
         return {(a.name, "value"): best, (a.name, "index"): index}
     if row.family is Family.SELECT:
-        return {(a.name, "value"): functools.reduce(functools.partial(call, row.op), values)}
-    fold_op = {"+": "add", "*": "mul", "|": "or", "&": "and"}[row.op]
+        return {(a.name, "value"): functools.reduce(functools.partial(call, row.prim), values)}
     total = const(0 if row.identity is Identity.ZERO else 1, a.acc_dtype)
     for v in values:
-        total = call(fold_op, total, cast(v, a.acc_dtype))
+        total = call(row.prim, total, cast(v, a.acc_dtype))
     return {(a.name, "value"): total}
