@@ -327,6 +327,21 @@ def test_float_dtypes_unary(name: str, dtype: torch.dtype) -> None:
     assert_matches_eager(m, fast(x), (x,))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("decimals", [-2, -1, 1, 3])
+def test_round_to_decimals_fuses_and_matches_eager_bit_for_bit(
+    decimals: int, dtype: torch.dtype
+) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4000, generator=g) * 10.0 ** torch.randint(-3, 6, (4000,), generator=g)
+    x = torch.cat([x, torch.tensor([0.125, 0.135, 2.5, -2.5, 1.005, -0.0, math.inf, math.nan])])
+    x = x.to(dtype)
+    m = Fn(lambda a: torch.round(a, decimals=decimals)).eval()
+    fast = opfuse.compile(m, (x,))
+    assert _kernels(fast) == {"elementwise": 1}, fast.report
+    torch.testing.assert_close(fast(x), m(x), rtol=0, atol=0, equal_nan=True)
+
+
 def test_bool_ops() -> None:
     a = torch.rand(100) > 0.5
     b = torch.rand(100) > 0.5

@@ -116,6 +116,16 @@ def div_mode(self: Expr, other: Any, rounding_mode: str | None = None) -> Expr:
     return self / other
 
 
+def round_decimals(self: Expr, decimals: int = 0) -> Expr:
+    # torch's round_decimals: scaled by 10^|decimals| in the input's opmath dtype, rounded
+    # half to even, scaled back (bit for bit, float16/32/64, decimals -2..5)
+    if decimals == 0:
+        return call("round", self)
+    if decimals > 0:
+        return call("round", self * 10.0**decimals) / 10.0**decimals
+    return call("round", self / 10.0**-decimals) * 10.0**-decimals
+
+
 def lerp(self: Expr, end: Any, weight: Any) -> Expr:
     # torch's two-sided form keeps lerp(a, b, 1) == b exactly, and its vector kernel rounds
     # each side once: fma(w, end - self, self) or fma(w - 1, end - self, end)

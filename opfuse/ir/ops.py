@@ -37,6 +37,7 @@ from .formulas import (
     minimum,
     nan_to_num,
     pow_scalar,
+    round_decimals,
     softplus,
     sub_alpha,
     tanh,
@@ -195,6 +196,7 @@ OPS: dict[str, OpInfo] = {
     "aten.lerp.Scalar": pw(lerp),
     "aten.lerp.Tensor": pw(lerp),
     "aten.frac.default": pw(lambda self: self - call("trunc", self)),
+    "aten.round.decimals": pw(round_decimals),
     # math
     **{f"aten.{p}.default": _u(p) for p in (
         "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sqrt", "rsqrt", "sin", "cos",
