@@ -101,8 +101,25 @@ def micro_cases() -> list[Case]:
         )
         for k in (2, 4, 8)
     ]
+    cases.append(
+        Case(
+            "NCHW -> NHWC copy of RGB images 8x3x224x224",
+            "elementwise",
+            lambda: (
+                Fn(lambda s, x: x.contiguous(memory_format=torch.channels_last)).eval(),
+                (_rand(8, 3, 224, 224),),
+            ),
+            min_bytes=io_bytes,
+        )
+    )
     d = 768
     cases += [
+        Case(
+            "softmax over 3 classes 1048576x3",
+            "reduction",
+            lambda: (Fn(lambda s, x: x.softmax(-1)).eval(), (_rand(1 << 20, 3),)),
+            min_bytes=io_bytes,
+        ),
         Case(
             "LayerNorm(x + residual) 8192x768",
             "reduction",
