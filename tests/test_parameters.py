@@ -245,7 +245,7 @@ def test_writes_that_bypass_version_counters_in_place_need_refresh() -> None:
 @pytest.mark.parametrize("entry", ["opfuse.compile", "torch.compile"])
 def test_data_assigned_to_a_parameter_is_followed(entry: str) -> None:
     """`p.data = t` moves no version counter and runs no hook; the parameter's data address
-    moves, which each call compares (in C: frontend/watch.Addresses)."""
+    moves, which each call compares (in C: frontend/watch.Watched)."""
     m, x = _net()
     torch._dynamo.reset()
     fast = (
@@ -594,21 +594,22 @@ def test_version_sum_in_c_follows_every_counter_and_skips_inference_tensors() ->
     plain = [torch.randn(3) for _ in range(5)]
     with torch.inference_mode():
         frozen = torch.randn(3)
-    summed = watch.VersionSum([*plain, frozen])
+    watched = watch.Watched([*plain, frozen])
     if watch._helpers() is not None:  # where the helper builds, it is the one used
-        assert summed.fn is not None
-    start = summed()
+        assert watched.sum_fn is not None
+    start = watched.version()
     assert start == sum(t._version for t in plain)
     plain[2].add_(1)
     plain[4].mul_(2)
-    assert summed() == start + 2
+    assert watched.version() == start + 2
     with torch.inference_mode():
         frozen.add_(1)  # in place inside inference mode: untracked, as in torch
-    assert summed() == start + 2
+    assert watched.version() == start + 2
+    assert not watched.moved()
 
 
 def test_addresses_in_c_see_data_moved_and_nothing_else() -> None:
-    """Addresses compares each tensor's data address (storage offset included) in C:
+    """Watched compares each tensor's data address (storage offset included) in C:
     `.data = t` and `set_` move it, in-place writes do not; views, empty and inference
     tensors compare as data_ptr does."""
     from opfuse.frontend import watch
@@ -618,9 +619,9 @@ def test_addresses_in_c_see_data_moved_and_nothing_else() -> None:
         frozen = torch.randn(3)
     p = torch.nn.Parameter(torch.randn(4))
     tensors = [base[3:7], torch.empty(0), frozen, p, torch.randn(2, 3).t()]
-    addressed = watch.Addresses(tensors)
+    addressed = watch.Watched(tensors)
     if watch._helpers() is not None:
-        assert addressed.fn is not None
+        assert addressed.moved_fn is not None
     assert not addressed.moved()
     base.add_(1)
     p.data.mul_(2)
@@ -630,7 +631,7 @@ def test_addresses_in_c_see_data_moved_and_nothing_else() -> None:
     p.data = tensors[3].detach()  # (the same tensor object's data, new storage again)
     assert addressed.moved()
     t = torch.randn(4)
-    other = watch.Addresses([t])
+    other = watch.Watched([t])
     t.set_(torch.randn(4))
     assert other.moved()
 

@@ -12,7 +12,7 @@ is for those.
 Checked on every call: one sum of version counters, the tensors' data addresses, an epoch
 that module registration hooks move, so that replacements cost nothing until one happens,
 and the count of the submodules' children (a deletion moves no hook). The sum is read in C from
-the tensors' TensorImpls where the helper builds (`VersionSum`): right after a call (the
+the tensors' TensorImpls where the helper builds (`Watched`): right after a call (the
 counters out of cache), MobileNetV3-Large's 266 tensors took 62 us through Python's
 `_version` (3% of its batch-1 call) and 13 us in C, ResNet-50's 267 131 us and 29 us.
 
@@ -131,49 +131,43 @@ def _impls(tensors: Sequence[torch.Tensor]) -> Any:
     return (ctypes.c_void_p * len(tensors))(*(t._cdata for t in tensors))
 
 
-class VersionSum:
-    """The sum of `tensors`' version counters (they only grow: the sum moves whenever one
-    does). Read in C from their TensorImpls (`_cdata`; the tensors are held, so the
-    pointers stay valid), through Python where the helper is missing or disagrees with
-    `_version` at the start."""
+class Watched:
+    """`tensors`' version counters and data addresses. Their sum of versions moves whenever
+    one counter does (they only grow); an address moves where `p.data = t` moves no
+    counter. Both read in C from the TensorImpls (`_cdata`; the tensors are held, so the
+    pointers stay valid), each through Python where the helper is missing or disagrees
+    with Python at the start (MobileNetV2's 262 frozen tensors: addresses 47 us a call
+    through Python)."""
 
     def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
         self.tensors = list(tensors)
         self.tracked = [t for t in self.tensors if not t.is_inference()]
-        lib = _helpers()
-        self.fn = lib.opfuse_version_sum if lib is not None else None
+        self.at = list(map(_ADDRESS, self.tensors))
+        self.n = len(self.tensors)
         self.impls = _impls(self.tensors)
-        if self.fn is not None and self.fn(len(self.tensors), self.impls) != self._python():
-            self.fn = None
+        self.want = (ctypes.c_int64 * self.n)(*self.at)
+        lib = _helpers()
+        self.sum_fn = lib.opfuse_version_sum if lib is not None else None
+        if self.sum_fn is not None and self.sum_fn(self.n, self.impls) != self._version():
+            self.sum_fn = None
+        self.moved_fn = lib.opfuse_moved if lib is not None else None
+        if self.moved_fn is not None and self.moved_fn(self.n, self.impls, self.want) != 0:
+            self.moved_fn = None  # (a tensor without storage, or data() disagrees with data_ptr)
 
-    def _python(self) -> int:
+    def _version(self) -> int:
         return sum(map(_VERSION, self.tracked))
 
-    def __call__(self) -> int:
-        if self.fn is None:
-            return self._python()
-        return int(self.fn(len(self.tensors), self.impls))
-
-
-class Addresses:
-    """Where `tensors`' data was at the start (`data_ptr`), and whether one has moved since
-    (`p.data = t` moves no version counter). Compared in C from their TensorImpls where the
-    helper builds: MobileNetV2's 262 frozen tensors took 47 us a call through Python."""
-
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.tensors = list(tensors)
-        self.at = list(map(_ADDRESS, self.tensors))
-        lib = _helpers()
-        self.fn = lib.opfuse_moved if lib is not None else None
-        self.impls = _impls(self.tensors)
-        self.want = (ctypes.c_int64 * len(self.at))(*self.at)
-        if self.fn is not None and self.fn(len(self.at), self.impls, self.want) != 0:
-            self.fn = None  # (a tensor without storage, or data() disagrees with data_ptr)
+    def version(self) -> int:
+        """The sum of the version counters (inference tensors have none)."""
+        if self.sum_fn is None:
+            return self._version()
+        return int(self.sum_fn(self.n, self.impls))
 
     def moved(self) -> bool:
-        if self.fn is None:
+        """Has a tensor's data moved since the start?"""
+        if self.moved_fn is None:
             return list(map(_ADDRESS, self.tensors)) != self.at
-        return bool(self.fn(len(self.at), self.impls, self.want))
+        return bool(self.moved_fn(self.n, self.impls, self.want))
 
 
 # Moved by every parameter, buffer or submodule (re)assignment in the process: a watch
@@ -215,8 +209,7 @@ class ParameterWatch:
             self.tensors += list(frozen.values())
         self.versions = list(map(version, self.tensors))
         self.version = sum(self.versions)
-        self.summed = VersionSum(self.tensors)
-        self.addressed = Addresses(self.tensors)
+        self.watched = Watched(self.tensors)
         self.epoch = _epoch
         # The module tree: a submodule replaced by one without tensors (an activation
         # swapped) moves the epoch and no frozen tensor; one deleted (`del model[2]`) moves
@@ -236,7 +229,7 @@ class ParameterWatch:
     def changed(self) -> str | None:
         """What changed since the watch was made, or None. Runs on every call: one map
         over the tensors (version counters only grow: their sum moves whenever one does)."""
-        if self.summed() != self.version:
+        if self.watched.version() != self.version:
             now = list(map(version, self.tensors))
             moved = [self._name(i) for i, (v, w) in enumerate(zip(self.versions, now)) if v != w]
             return f"{moved[0]} was modified in place" + _more(moved)
@@ -244,7 +237,7 @@ class ParameterWatch:
             _epoch == self.epoch
             and all(h.get(k) is t for h, k, t in self.plain)
             and self._children() == self.children
-            and not self.addressed.moved()
+            and not self.watched.moved()
         ):
             return None
         gone = self.which_replaced()
@@ -274,7 +267,7 @@ class ParameterWatch:
         found = [_find(self.model, n, t) for n, t in zip(self.names, own)]
         now = list(map(_ADDRESS, self.tensors))
         return [n for n, t, f in zip(self.names, own, found) if f is not t] + [
-            self._name(i) for i, (a, b) in enumerate(zip(self.addressed.at, now)) if a != b
+            self._name(i) for i, (a, b) in enumerate(zip(self.watched.at, now)) if a != b
         ]
 
     def _name(self, i: int) -> str:
@@ -324,16 +317,15 @@ class FrozenInputs:
     def __init__(self, positions: Sequence[int], args: Sequence[Any]) -> None:
         self.positions = tuple(positions)
         self.tensors = [args[k] for k in self.positions]
-        self.summed = VersionSum(self.tensors)
-        self.version = self.summed()
-        self.addressed = Addresses(self.tensors)
+        self.watched = Watched(self.tensors)
+        self.version = self.watched.version()
         self.epoch = packs_epoch()
 
     def holds(self, args: Sequence[Any]) -> bool:
         given = [args[k] for k in self.positions]
         return (
             all(map(operator.is_, given, self.tensors))
-            and self.summed() == self.version
-            and not self.addressed.moved()
+            and self.watched.version() == self.version
+            and not self.watched.moved()
             and self.epoch == packs_epoch()
         )
