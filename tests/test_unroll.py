@@ -215,6 +215,37 @@ def test_integer_and_half_rows_written_out_match_eager() -> None:
     assert _written_out(fast)
 
 
+@pytest.mark.parametrize(
+    ("f", "x"),
+    [
+        (lambda x: x.softmax(1), torch.randn(2, 3, 9, 11)),
+        (lambda x: x.norm(dim=-1), torch.randn(300, 3)),
+        (lambda x: (x * 2).sum(-1), torch.randn(300, 4)),
+        (lambda x: x.mean(1, keepdim=True) - x, torch.randn(2, 2, 9, 11)),
+        (lambda x: F.adaptive_avg_pool2d(x, 1), torch.randn(4, 40, 2, 2)),
+        (lambda x: F.max_pool2d(x, 2, padding=1, ceil_mode=True), torch.randn(2, 4, 9, 11)),
+        (
+            lambda x: F.avg_pool2d(x, 2, padding=1, count_include_pad=False),
+            torch.randn(2, 4, 9, 11).contiguous(memory_format=torch.channels_last),
+        ),
+        (lambda x: x.argmax(-1), _nans_and_ties(200, 4)),
+    ],
+    ids=[
+        "softmax-channels",
+        "norm",
+        "sum",
+        "mean-channels",
+        "global-pool",
+        "max-pool",
+        "avg-pool",
+        "argmax",
+    ],
+)
+def test_columns_of_a_few_elements_are_written_out_and_match_eager(f, x) -> None:  # type: ignore[no-untyped-def]
+    fast = _compile(f, x)
+    assert _written_out(fast), fast._first.compiled.source
+
+
 def test_rows_of_five_keep_their_loops() -> None:
     fast = _compile(lambda x: x.softmax(-1), torch.randn(64, SHORT))
     assert not _written_out(fast)
@@ -278,7 +309,7 @@ def test_random_short_rows_match_eager(s: int, rows: int, transposed: bool, op: 
         if op == "argmax":
             return x.exp() - x.amax(-1, keepdim=True), x.argmax(-1)
         if op == "var":
-            return x - x.var(-1, keepdim=True)
+            return x - x.var(-1, keepdim=True, correction=min(1, s - 1))
         return x / (x.abs().sum(-1, keepdim=True) + 1)
 
     _compile(f, x)
