@@ -463,6 +463,24 @@ def walk(roots: list[Expr]) -> list[Expr]:
     return order
 
 
+def substitute(e: Expr, subs: dict[Expr, Expr]) -> Expr:
+    """e with every occurrence of a key of `subs` replaced by its value (outermost first;
+    Exprs are hash-consed, so a dict finds them by identity)."""
+    memo: dict[Expr, Expr] = {}
+
+    def go(x: Expr) -> Expr:
+        new = subs.get(x)
+        if new is not None:
+            return new
+        hit = memo.get(x)
+        if hit is None:
+            hit = Expr(x.op, tuple(go(a) for a in x.args), x.dtype, x.value) if x.args else x
+            memo[x] = hit
+        return hit
+
+    return go(e)
+
+
 # Operations whose result has a fixed sign (NaN aside), and those whose result has the sign
 # of their one operand.
 _NONNEGATIVE = frozenset(

@@ -39,7 +39,7 @@ from ..ir.ops import (
     reduction_domain,
     short,
 )
-from ..ir.scalar import Expr, cast, const, opmath, position, walk
+from ..ir.scalar import Expr, cast, const, opmath, position, substitute, walk
 from ..ir.size import Size
 from ..ir.uses import used_outside
 from .constants import formula as constant_formula
@@ -528,7 +528,7 @@ def _reuse_across_passes(passes: list[Pass], outs: dict[str, Buffer]) -> list[Pa
             buf = outs.get(st.buffer)
             pick = None
             if buf is not None and st.guard is None:
-                for e in walk([_substitute(st.value, subs)]):
+                for e in walk([substitute(st.value, subs)]):
                     if (
                         e in shared
                         and e.dtype == buf.dtype
@@ -541,33 +541,15 @@ def _reuse_across_passes(passes: list[Pass], outs: dict[str, Buffer]) -> list[Pa
             subs[pick] = Expr("load", (), buf.dtype, (st.buffer, st.index))
         if early:
             stores = tuple(
-                Store(st.buffer, st.index, _substitute(st.value, subs), st.guard)
+                Store(st.buffer, st.index, substitute(st.value, subs), st.guard)
                 for st in cur.stores
             )
             accs = tuple(
-                dataclasses.replace(a, value=_substitute(a.value, subs)) for a in cur.accumulates
+                dataclasses.replace(a, value=substitute(a.value, subs)) for a in cur.accumulates
             )
             passes[q - 1] = Pass(prev.accumulates, (*prev.stores, *early), prev.after)
             passes[q] = Pass(accs, stores, cur.after)
     return passes
-
-
-def _substitute(e: Expr, subs: dict[Expr, Expr]) -> Expr:
-    """e with every occurrence of a key of `subs` replaced by its value (outermost first;
-    Exprs are hash-consed, so a dict finds them by identity)."""
-    memo: dict[Expr, Expr] = {}
-
-    def go(x: Expr) -> Expr:
-        new = subs.get(x)
-        if new is not None:
-            return new
-        hit = memo.get(x)
-        if hit is None:
-            hit = Expr(x.op, tuple(go(a) for a in x.args), x.dtype, x.value) if x.args else x
-            memo[x] = hit
-        return hit
-
-    return go(e)
 
 
 def _broadcasts_to(shape: Sequence[int], domain: Sequence[int], same_rank: bool) -> bool:

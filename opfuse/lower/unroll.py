@@ -24,7 +24,7 @@ import torch
 
 from ..ir.combine import Family, Identity
 from ..ir.index import Ix, Var
-from ..ir.scalar import Expr, call, cast, const, walk, where
+from ..ir.scalar import Expr, call, cast, const, substitute, walk, where
 from ..ir.size import is_size
 from .kernel import Accumulate, Kernel, Pass, Schedule, Store, rewrite
 from .split import fold
@@ -42,7 +42,7 @@ def unroll_short_vector(k: Kernel) -> Kernel:
     (the note "unrolled" names it), else `k` itself."""
     if k.schedule is not Schedule.POINTWISE or len(k.outer) < 2 or k.checks:
         return k
-    if k.pieces or k.cases or len(k.passes) != 1:
+    if len(k.passes) != 1:
         return k
     p = k.passes[0]
     vec = k.outer[-1]
@@ -82,8 +82,6 @@ def write_out_short_rows(k: Kernel) -> Kernel:
     noise either way). `k` itself where a row is longer, a size is symbolic, or the kernel
     checks or guards."""
     if k.schedule not in (Schedule.ROWS, Schedule.COLUMNS) or not k.inner or k.checks:
-        return k
-    if k.pieces or k.cases:
         return k
     if any(is_size(v.extent) for v in k.inner) or k.inner_size >= SHORT:
         return k
@@ -140,23 +138,12 @@ def _read_back(
 ) -> Expr:
     """`e` with its reduction results ("acc" leaves) replaced by their written-out values,
     and its loads of what the kernel stored by the values stored."""
-    memo: dict[Expr, Expr] = {}
-
-    def go(x: Expr) -> Expr:
-        hit = memo.get(x)
-        if hit is None:
-            if x.op == "acc":
-                hit = cast(results[x.value], x.dtype)
-            elif x.op == "load" and x.value in stored:
-                hit = cast(stored[x.value], x.dtype)
-            elif x.args:
-                hit = Expr(x.op, tuple(go(a) for a in x.args), x.dtype, x.value)
-            else:
-                hit = x
-            memo[x] = hit
-        return hit
-
-    return go(e)
+    subs = {
+        x: cast(results[x.value] if x.op == "acc" else stored[x.value], x.dtype)
+        for x in walk([e])
+        if x.op == "acc" or (x.op == "load" and x.value in stored)
+    }
+    return substitute(e, subs)
 
 
 def _combined(a: Accumulate, values: list[Expr], spots: list[Ix]) -> dict[tuple[str, str], Expr]:
